@@ -1,0 +1,137 @@
+/*
+ * megamoe: fused Mixture-of-Experts layer for NVIDIA Hopper. Public C ABI.
+ *
+ * This header is the only interface other languages link against. It knows nothing of
+ * Python or PyTorch: callers pass raw pointers, shapes, strides (in elements), a dtype enum
+ * and, for device work, a CUDA stream.
+ *
+ * Errors: every function returns a megamoe_status. On failure, megamoe_last_error() returns
+ * a message for the calling thread that names the offending argument and what was
+ * expected. No function aborts the process on bad input.
+ *
+ * Layer math (DESIGN.md section 1), for token t with top-k experts e_j and weights p_j:
+ *   h_j = w_gate_up[e_j] @ x_t ; a_j = silu(h_j[:I]) * h_j[I:] ; o_j = w_down[e_j] @ a_j
+ *   y_t = sum_j p_j * o_j      (a slot with expert id -1 contributes nothing, dp_j = 0)
+ * Shapes: x [T, H]; topk_ids [T, k]; topk_weights [T, k]; w_gate_up [E, 2I, H] (rows
+ * 0..I-1 gate, I..2I-1 up); w_down [E, H, I]; y [T, H].
+ */
+#ifndef MEGAMOE_MEGAMOE_H
+#define MEGAMOE_MEGAMOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define MEGAMOE_API __declspec(dllexport)
+#else
+#define MEGAMOE_API __attribute__((visibility("default")))
+#endif
+
+#define MEGAMOE_VERSION_MAJOR 0
+#define MEGAMOE_VERSION_MINOR 1
+#define MEGAMOE_VERSION_PATCH 0
+
+/* Largest tensor rank a descriptor carries. */
+#define MEGAMOE_MAX_DIMS 4
+
+typedef enum megamoe_status {
+  MEGAMOE_SUCCESS = 0,
+  MEGAMOE_ERROR_INVALID_ARGUMENT = 1, /* bad shape, dtype, stride, pointer or value */
+  MEGAMOE_ERROR_UNSUPPORTED = 2,      /* valid input this build or GPU cannot run */
+  MEGAMOE_ERROR_CUDA = 3,             /* a CUDA runtime call failed */
+  MEGAMOE_ERROR_OUT_OF_MEMORY = 4,
+  MEGAMOE_ERROR_CAPACITY = 5,         /* a call would exceed a buffer's capacity */
+  MEGAMOE_ERROR_TIMEOUT = 6,          /* a peer never arrived */
+  MEGAMOE_ERROR_INTERNAL = 7
+} megamoe_status;
+
+typedef enum megamoe_dtype {
+  MEGAMOE_DTYPE_FLOAT32 = 0,
+  MEGAMOE_DTYPE_FLOAT64 = 1,
+  MEGAMOE_DTYPE_BFLOAT16 = 2,
+  MEGAMOE_DTYPE_FLOAT16 = 3,
+  MEGAMOE_DTYPE_INT32 = 4,
+  MEGAMOE_DTYPE_INT64 = 5,
+  MEGAMOE_DTYPE_FLOAT8_E4M3 = 6
+} megamoe_dtype;
+
+/* A strided view of memory. Strides are in elements, not bytes. `data` is const for
+ * inputs; outputs are written through the same struct (the library casts). */
+typedef struct megamoe_tensor {
+  void* data;
+  megamoe_dtype dtype;
+  int32_t ndim;
+  int64_t shape[MEGAMOE_MAX_DIMS];
+  int64_t strides[MEGAMOE_MAX_DIMS];
+} megamoe_tensor;
+
+/* Version string "MAJOR.MINOR.PATCH" and the number MAJOR*10000 + MINOR*100 + PATCH. */
+MEGAMOE_API const char* megamoe_version(void);
+MEGAMOE_API int32_t megamoe_version_number(void);
+
+/* Message of the last failed call on this thread ("" if none). Valid until the next
+ * megamoe call on the same thread. */
+MEGAMOE_API const char* megamoe_last_error(void);
+/* Clears this thread's last error. */
+MEGAMOE_API void megamoe_clear_error(void);
+/* Short constant name of a status code, e.g. "MEGAMOE_ERROR_INVALID_ARGUMENT". */
+MEGAMOE_API const char* megamoe_status_name(megamoe_status status);
+/* Size in bytes of one element of `dtype` (0 for an unknown value). */
+MEGAMOE_API size_t megamoe_dtype_size(megamoe_dtype dtype);
+
+/* ---------------------------------------------------------------------------------------
+ * CPU reference of the whole layer, on host memory: the oracle for every kernel.
+ * Floating tensors are all FLOAT32 or all FLOAT64 (one storage type per call); sums are
+ * accumulated in float64. topk_ids is INT32 or INT64 with values in [-1, E).
+ * Any strides are accepted; outputs must not alias inputs.
+ * ------------------------------------------------------------------------------------- */
+
+/* y[T, H] = layer(x, topk_ids, topk_weights, w_gate_up, w_down). */
+MEGAMOE_API megamoe_status megamoe_reference_forward(const megamoe_tensor* x,
+                                                     const megamoe_tensor* topk_ids,
+                                                     const megamoe_tensor* topk_weights,
+                                                     const megamoe_tensor* w_gate_up,
+                                                     const megamoe_tensor* w_down,
+                                                     megamoe_tensor* y);
+
+/* Gradients of <dy, y> with respect to every input. Each of dx [T, H], d_topk_weights
+ * [T, k], d_w_gate_up [E, 2I, H], d_w_down [E, H, I] may be NULL to skip it; the
+ * gradients are overwritten (not accumulated). */
+MEGAMOE_API megamoe_status megamoe_reference_backward(const megamoe_tensor* dy,
+                                                      const megamoe_tensor* x,
+                                                      const megamoe_tensor* topk_ids,
+                                                      const megamoe_tensor* topk_weights,
+                                                      const megamoe_tensor* w_gate_up,
+                                                      const megamoe_tensor* w_down,
+                                                      megamoe_tensor* dx,
+                                                      megamoe_tensor* d_topk_weights,
+                                                      megamoe_tensor* d_w_gate_up,
+                                                      megamoe_tensor* d_w_down);
+
+/* ---------------------------------------------------------------------------------------
+ * Device routing metadata (CUDA, sm_90a). Asynchronous on `stream`; no host sync.
+ * ------------------------------------------------------------------------------------- */
+
+/* Number of CUDA devices visible to the library (0 on a machine without a GPU; that is
+ * not an error). */
+MEGAMOE_API megamoe_status megamoe_cuda_device_count(int32_t* count);
+
+/* For device tensors topk_ids [T, k] (INT32 or INT64, contiguous), writes
+ * expert_counts[e] = number of slots routed to expert e in [0, num_experts) and
+ * invalid_count[0] = number of slots whose id is < -1 or >= num_experts. Both outputs are
+ * INT32 device tensors ([num_experts] and [1], contiguous) and are overwritten. */
+MEGAMOE_API megamoe_status megamoe_routing_counts(const megamoe_tensor* topk_ids,
+                                                  int64_t num_experts,
+                                                  megamoe_tensor* expert_counts,
+                                                  megamoe_tensor* invalid_count,
+                                                  void* cuda_stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MEGAMOE_MEGAMOE_H */
