@@ -1,0 +1,575 @@
+"""megamoe-bench: time MoE backends side by side and record the results.
+
+    megamoe-bench --backends torch,fused --model qwen3-30b-a3b --tokens 16384
+    torchrun --nproc-per-node 8 -m megamoe.bench --ep 8
+
+For every model preset x tokens-per-rank x backend it times the forward (with autograd
+recording, as in training) and the backward separately with CUDA events, takes medians
+over several rotated input sets, and reports fwd, bwd, fwd+bwd (sum of the two medians),
+the full layer under activation checkpointing (2*fwd + bwd), forward TFLOP/s against the
+bf16 GEMM peak measured in the same run, and the speedup over the torch baseline.
+Rank 0 prints a table and writes <out-dir>/<name>.json (+ a PNG plot).
+
+Without a GPU (or with --cpu) it runs the C++ CPU reference at the "tiny" preset: a smoke
+test of the pipeline, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import megamoe
+from megamoe.presets import PRESETS, MoEShape, get_preset
+from megamoe.routing import ROUTING_MODES, make_routing
+
+KNOWN_BACKENDS = ("torch", "fused", "reference")
+# How each backend produces its backward, recorded with every row so that numbers from
+# different backward strategies are not compared unawares.
+BACKWARD_MODE = {"torch": "autograd", "reference": "recompute", "fused": "recompute"}
+# Backends that can run on CPU tensors; the others are reported as skipped in a CPU run.
+CPU_BACKENDS = ("reference",)
+# Backends that take an expert-parallel group; the others are skipped when --ep > 1.
+EP_BACKENDS = ("torch", "fused")
+
+GPU_DEFAULTS = {"backends": "torch,fused", "models": ["qwen3-30b-a3b", "qwen3-235b-a22b"],
+                "tokens": [16384]}
+CPU_DEFAULTS = {"backends": "reference", "models": ["tiny"], "tokens": [256]}
+
+GEMM_PEAK_SIZE = 8192
+CPU_RUN_NOTICE = (
+    "NOTE: no CUDA GPU in use: this is a CPU run of the C++ reference backend ({models}),\n"
+    "a smoke test of the benchmark pipeline, NOT a GPU benchmark."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    resolve_defaults(args, use_cuda)
+    validate_args(parser, args)
+    run = setup_run(parser, args, use_cuda)
+    try:
+        results = run_benchmark(args, run, argv)
+    finally:
+        if run.group is not None:
+            torch.distributed.destroy_process_group()
+    if run.rank == 0:
+        print(format_table(results["rows"]))
+        write_outputs(results, args)
+    return 0
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megamoe-bench",
+        description="Benchmark megamoe backends (forward, backward, full layer) on model presets.",
+    )
+    parser.add_argument("--backends", default=None,
+                        help=f"comma-separated, from {', '.join(KNOWN_BACKENDS)} "
+                             f"(default {GPU_DEFAULTS['backends']}; CPU run: reference)")
+    parser.add_argument("--model", action="append", default=None,
+                        help=f"preset name, repeatable or comma-separated: {', '.join(PRESETS)} "
+                             "(default qwen3-30b-a3b and qwen3-235b-a22b; CPU run: tiny)")
+    parser.add_argument("--tokens", action="append", default=None,
+                        help="tokens per rank, repeatable or comma-separated (default 16384; CPU run: 256)")
+    parser.add_argument("--routing", choices=ROUTING_MODES, default="random")
+    parser.add_argument("--precision", default="bf16", help="passed to megamoe.moe (default bf16)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks; >1 must run under torchrun --nproc-per-node N")
+    parser.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    parser.add_argument("--input-sets", type=int, default=3,
+                        help="input sets (x, routing, dy) rotated over the iterations (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed; rank r uses seed + r")
+    parser.add_argument("--name", default=None, help="results file stem (default from the settings)")
+    parser.add_argument("--out-dir", default="bench/results", help="default bench/results")
+    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    parser.add_argument("--cpu", action="store_true",
+                        help="do the CPU reference run even when a GPU is present")
+    return parser
+
+
+def _split_commas(values: list[str]) -> list[str]:
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def resolve_defaults(args: argparse.Namespace, is_cuda: bool) -> None:
+    """Fills unset list options with the GPU or CPU defaults and splits comma lists."""
+    defaults = GPU_DEFAULTS if is_cuda else CPU_DEFAULTS
+    # dict.fromkeys drops repeats and keeps the order given.
+    args.backends = list(dict.fromkeys(_split_commas([args.backends or defaults["backends"]])))
+    args.model = list(dict.fromkeys(_split_commas(args.model) if args.model else defaults["models"]))
+    args.tokens = list(dict.fromkeys(_split_commas(args.tokens) if args.tokens
+                                     else [str(t) for t in defaults["tokens"]]))
+
+
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    unknown = [b for b in args.backends if b not in KNOWN_BACKENDS]
+    if unknown or not args.backends:
+        parser.error(f"unknown backend(s) {', '.join(unknown) or '(none given)'}; "
+                     f"valid backends: {', '.join(KNOWN_BACKENDS)}")
+    try:
+        args.shapes = [get_preset(name) for name in args.model]
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        args.tokens = [int(t) for t in args.tokens]
+    except ValueError:
+        parser.error(f"--tokens takes integers, got {','.join(args.tokens)}")
+    if any(t < 1 for t in args.tokens):
+        parser.error("--tokens must be >= 1")
+    for option, value, minimum in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                                   ("--input-sets", args.input_sets, 1), ("--ep", args.ep, 1)):
+        if value < minimum:
+            parser.error(f"{option} must be >= {minimum}, got {value}")
+    for shape in args.shapes:
+        if shape.E % args.ep:
+            parser.error(f"--ep {args.ep}: model {shape.name} has E={shape.E} experts, "
+                         f"not divisible by {args.ep}")
+
+
+# ---------------------------------------------------------------- devices and ranks
+
+
+@dataclass
+class RunContext:
+    device: torch.device
+    is_cuda: bool
+    rank: int = 0
+    world_size: int = 1
+    group: object = None  # the EP process group when world_size > 1
+    launcher: str | None = None  # e.g. "torchrun --nproc-per-node 8"
+
+
+def setup_run(parser: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> RunContext:
+    env_world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = _torchrun_launcher()
+    if args.ep > 1 and not use_cuda:
+        reason = "--cpu was given" if args.cpu else "this machine has no CUDA GPU"
+        parser.error(f"--ep {args.ep} needs {args.ep} CUDA GPUs under torchrun, but {reason}")
+    if env_world_size != args.ep:
+        parser.error(f"--ep {args.ep} needs exactly {args.ep} processes, found WORLD_SIZE={env_world_size}: "
+                     f"run `torchrun --nproc-per-node {args.ep} -m megamoe.bench --ep {args.ep} ...`")
+    if not use_cuda:
+        return RunContext(device=torch.device("cpu"), is_cuda=False, launcher=launcher)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    if args.ep == 1:
+        return RunContext(device=device, is_cuda=True, launcher=launcher)
+
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", device_id=device)
+    return RunContext(device=device, is_cuda=True, rank=dist.get_rank(),
+                      world_size=dist.get_world_size(), group=dist.group.WORLD, launcher=launcher)
+
+
+def _torchrun_launcher() -> str | None:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', '?')}"
+
+
+def progress(run: RunContext, message: str) -> None:
+    if run.rank == 0:
+        print(f"[megamoe-bench] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- timing
+
+
+class CudaClock:
+    """Marks are CUDA events on the current stream: they time the GPU work between them,
+    even while the host runs ahead."""
+
+    name = "cuda events"
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end)
+
+    def wait(self) -> None:
+        torch.cuda.synchronize()
+
+
+class CpuClock:
+    name = "time.perf_counter"
+
+    def mark(self):
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        return (end - start) * 1e3
+
+    def wait(self) -> None:
+        pass
+
+
+def measure_gemm_peak_tflops(device: torch.device, size: int = GEMM_PEAK_SIZE,
+                             warmup: int = 3, iters: int = 10) -> float:
+    """Median bf16 matmul throughput of this GPU: the yardstick for "% of peak"."""
+    generator = torch.Generator(device=device).manual_seed(1234)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+    c = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    clock = CudaClock()
+    for _ in range(warmup):
+        torch.matmul(a, b, out=c)
+    marks = []
+    for _ in range(iters):
+        start = clock.mark()
+        torch.matmul(a, b, out=c)
+        marks.append((start, clock.mark()))
+    clock.wait()
+    median_ms = statistics.median(clock.elapsed_ms(s, e) for s, e in marks)
+    del a, b, c
+    return 2 * size**3 / (median_ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass
+class InputSet:
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    dy: torch.Tensor
+
+
+def build_weights(shape: MoEShape, experts_local: int, dtype, device, generator) -> list[torch.Tensor]:
+    """[w_gate_up, w_down], scaled by 1/sqrt(fan_in) so activations stay O(1)."""
+    w_gate_up = torch.randn(experts_local, 2 * shape.I, shape.H, dtype=dtype, device=device,
+                            generator=generator) * shape.H**-0.5
+    w_down = torch.randn(experts_local, shape.H, shape.I, dtype=dtype, device=device,
+                         generator=generator) * shape.I**-0.5
+    return [w_gate_up.requires_grad_(), w_down.requires_grad_()]
+
+
+def build_input_sets(shape: MoEShape, num_tokens: int, routing: str, count: int,
+                     dtype, device, generator) -> list[InputSet]:
+    sets = []
+    for _ in range(count):
+        x = torch.randn(num_tokens, shape.H, dtype=dtype, device=device, generator=generator)
+        # Every rank routes its tokens over all E experts, local and remote.
+        topk_ids, topk_weights = make_routing(num_tokens, shape.E, shape.k, routing,
+                                              device=device, generator=generator)
+        dy = torch.randn(num_tokens, shape.H, dtype=dtype, device=device, generator=generator)
+        sets.append(InputSet(x.requires_grad_(), topk_ids, topk_weights.requires_grad_(), dy))
+    return sets
+
+
+# ---------------------------------------------------------------- one backend
+
+
+def time_forward_backward(call, weights, input_sets, iterations: int, clock) -> tuple[list, list]:
+    """Per-iteration forward and backward times (ms), rotating over the input sets."""
+    marks = []
+    for i in range(iterations):
+        inputs = input_sets[i % len(input_sets)]
+        # A fresh gradient each step, as after optimizer.zero_grad(set_to_none=True).
+        for tensor in (*weights, inputs.x, inputs.topk_weights):
+            tensor.grad = None
+        start = clock.mark()
+        y = call(inputs)
+        forward_done = clock.mark()
+        y.backward(inputs.dy)
+        backward_done = clock.mark()
+        marks.append((start, forward_done, backward_done))
+        del y
+    clock.wait()
+    forward_ms = [clock.elapsed_ms(s, f) for s, f, _ in marks]
+    backward_ms = [clock.elapsed_ms(f, b) for _, f, b in marks]
+    return forward_ms, backward_ms
+
+
+def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, clock):
+    """(fwd median ms, bwd median ms) over args.iters timed iterations; with EP, the max
+    over ranks of each rank's medians (the slowest rank sets the step time)."""
+    w_gate_up, w_down = weights
+
+    def call(inputs: InputSet):
+        # The ids are valid by construction; check_ids=False leaves out the range check's
+        # host sync, which would otherwise stall every backend's forward alike.
+        return megamoe.moe(inputs.x, inputs.topk_ids, inputs.topk_weights, w_gate_up, w_down,
+                           group=run.group, precision=args.precision, backend=backend,
+                           check_ids=False)
+
+    time_forward_backward(call, weights, input_sets, args.warmup, clock)
+    if run.group is not None:
+        torch.distributed.barrier()
+    forward_ms, backward_ms = time_forward_backward(call, weights, input_sets, args.iters, clock)
+    medians = [statistics.median(forward_ms), statistics.median(backward_ms)]
+    if run.group is not None:
+        medians = _max_over_ranks(medians, run)
+    return medians[0], medians[1]
+
+
+def _max_over_ranks(values: list[float], run: RunContext) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=run.device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=run.group)
+    return tensor.tolist()
+
+
+# ---------------------------------------------------------------- rows
+
+
+def make_row(shape: MoEShape, num_tokens: int, backend: str, args, dtype) -> dict:
+    return {
+        "model": shape.name, "H": shape.H, "I": shape.I, "E": shape.E, "k": shape.k,
+        "tokens_per_rank": num_tokens, "ep": args.ep, "backend": backend,
+        "precision": args.precision, "dtype": str(dtype).removeprefix("torch."),
+        "routing": args.routing, "backward_mode": BACKWARD_MODE[backend],
+        "fwd_ms": None, "bwd_ms": None, "fwd_bwd_ms": None, "full_layer_ms": None,
+        "fwd_tflops": None, "pct_of_peak": None,
+        "speedup_fwd_vs_torch": None, "speedup_full_vs_torch": None,
+        "status": "ok",
+    }
+
+
+def fill_timings(row: dict, shape: MoEShape, fwd_ms: float, bwd_ms: float, peak_tflops) -> None:
+    row["fwd_ms"] = fwd_ms
+    row["bwd_ms"] = bwd_ms
+    row["fwd_bwd_ms"] = fwd_ms + bwd_ms
+    # Activation checkpointing re-runs the forward during the backward pass.
+    row["full_layer_ms"] = 2 * fwd_ms + bwd_ms
+    row["fwd_tflops"] = shape.forward_flops(row["tokens_per_rank"]) / (fwd_ms * 1e-3) / 1e12
+    if peak_tflops:
+        row["pct_of_peak"] = 100 * row["fwd_tflops"] / peak_tflops
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Speedup of each row over the torch row of the same model, tokens, ep and routing."""
+    def config(row):
+        return (row["model"], row["tokens_per_rank"], row["ep"], row["routing"], row["precision"])
+
+    torch_rows = {config(r): r for r in rows if r["backend"] == "torch" and r["status"] == "ok"}
+    for row in rows:
+        baseline = torch_rows.get(config(row))
+        if baseline is None or row["status"] != "ok":
+            continue
+        row["speedup_fwd_vs_torch"] = baseline["fwd_ms"] / row["fwd_ms"]
+        row["speedup_full_vs_torch"] = baseline["full_layer_ms"] / row["full_layer_ms"]
+
+
+def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, clock,
+                     peak_tflops) -> list[dict]:
+    """One row per backend; the backends share the weights and input sets."""
+    dtype = torch.bfloat16 if run.is_cuda else torch.float32
+    generator = torch.Generator(device=run.device).manual_seed(args.seed + run.rank)
+    experts_local = shape.E // run.world_size
+    weights = build_weights(shape, experts_local, dtype, run.device, generator)
+    input_sets = build_input_sets(shape, num_tokens, args.routing, args.input_sets, dtype,
+                                  run.device, generator)
+    rows = []
+    for backend in args.backends:
+        row = make_row(shape, num_tokens, backend, args, dtype)
+        label = f"{shape.name} T={num_tokens}/rank ep={args.ep} {backend}"
+        if not run.is_cuda and backend not in CPU_BACKENDS:
+            row["status"] = f"skipped: backend {backend!r} needs a CUDA GPU (this is a CPU run)"
+        elif run.world_size > 1 and backend not in EP_BACKENDS:
+            row["status"] = f"skipped: backend {backend!r} takes no expert-parallel group"
+        else:
+            try:
+                fwd_ms, bwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock)
+                fill_timings(row, shape, fwd_ms, bwd_ms, peak_tflops)
+            except NotImplementedError as error:  # megamoe.NotBuiltError included
+                row["status"] = f"skipped: {type(error).__name__}: {error}"
+        progress(run, f"{label}: " + (
+            f"fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms" if row["status"] == "ok"
+            else row["status"]))
+        rows.append(row)
+        _free_gradients(weights, input_sets)
+    del weights, input_sets
+    if run.is_cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _free_gradients(weights, input_sets) -> None:
+    for tensor in (*weights, *(t for s in input_sets for t in (s.x, s.topk_weights))):
+        tensor.grad = None
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run_benchmark(args, run: RunContext, argv: list[str]) -> dict:
+    if not run.is_cuda and run.rank == 0:
+        print(CPU_RUN_NOTICE.format(models=", ".join(args.model)), flush=True)
+    clock = CudaClock() if run.is_cuda else CpuClock()
+    peak_tflops = None
+    if run.is_cuda:
+        progress(run, f"measuring the bf16 GEMM peak ({GEMM_PEAK_SIZE}^3 matmul)")
+        peak_tflops = measure_gemm_peak_tflops(run.device)
+        if run.group is not None:
+            # The slowest GPU, as the timings below take the slowest rank.
+            peak_tflops = -_max_over_ranks([-peak_tflops], run)[0]
+        torch.cuda.empty_cache()
+        progress(run, f"bf16 GEMM peak: {peak_tflops:.1f} TFLOP/s")
+
+    rows = []
+    for shape in args.shapes:
+        for num_tokens in args.tokens:
+            rows += benchmark_config(shape, num_tokens, args, run, clock, peak_tflops)
+    add_speedups(rows)
+    return {**describe_run(args, run, argv, peak_tflops), "rows": rows}
+
+
+def describe_run(args, run: RunContext, argv: list[str], peak_tflops) -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name(run.device) if run.is_cuda else "cpu",
+        "num_gpus": run.world_size if run.is_cuda else 0,
+        "world_size": run.world_size,
+        "commit": git_commit(),
+        "command": describe_command(argv, run.launcher),
+        "argv": argv,
+        "launcher": run.launcher,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "megamoe_version": getattr(megamoe, "__version__", "unknown"),
+        "python_version": platform.python_version(),
+        "gemm_peak_tflops": peak_tflops,
+        "device": describe_device(run),
+        "cpu_smoke_run": not run.is_cuda,
+        "settings": {
+            "backends": args.backends, "models": args.model, "tokens_per_rank": args.tokens,
+            "routing": args.routing, "precision": args.precision, "ep": args.ep,
+            "iters": args.iters, "warmup": args.warmup, "input_sets": args.input_sets,
+            "seed": args.seed, "check_ids": False,
+        },
+        "method": {
+            "timer": CudaClock.name if run.is_cuda else CpuClock.name,
+            "fwd_ms": "median over iters of the forward call with autograd recording",
+            "bwd_ms": "median over iters of y.backward(dy), dy random",
+            "fwd_bwd_ms": "fwd_ms + bwd_ms (sum of the medians; not timed jointly)",
+            "full_layer_ms": "2 * fwd_ms + bwd_ms (activation checkpointing re-runs the forward)",
+            "fwd_tflops": "6*T*k*H*I / fwd_ms, T = tokens per rank",
+            "pct_of_peak": "100 * fwd_tflops / gemm_peak_tflops",
+            "gemm_peak": f"median bf16 torch.matmul {GEMM_PEAK_SIZE}^3 (slowest rank under EP)",
+            "ep": "each rank times its own events; the max over ranks of each median is reported",
+        },
+    }
+
+
+def describe_device(run: RunContext) -> dict:
+    if not run.is_cuda:
+        return {"type": "cpu", "processor": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    props = torch.cuda.get_device_properties(run.device)
+    return {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
+            "sm_count": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1)}
+
+
+def describe_command(argv: list[str], launcher: str | None) -> str:
+    """The command line that reproduces this run. When main() is called from Python (tests)
+    the equivalent megamoe-bench command is written."""
+    script = sys.argv[0] if sys.argv else ""
+    if os.path.basename(script) == "bench.py":  # python -m megamoe.bench, torchrun -m megamoe.bench
+        program = "-m megamoe.bench" if launcher else "python -m megamoe.bench"
+    else:
+        program = script if launcher else "megamoe-bench"  # torchrun takes the script's path
+    return " ".join(part for part in (launcher, program, shlex.join(argv)) if part)
+
+
+def git_commit() -> str:
+    """HEAD of the git checkout holding this file, "-dirty" if tracked files changed.
+    MEGAMOE_BENCH_COMMIT overrides it, for a copied tree without .git."""
+    if os.environ.get("MEGAMOE_BENCH_COMMIT"):
+        return os.environ["MEGAMOE_BENCH_COMMIT"]
+    here = str(Path(__file__).resolve().parent)
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=30).stdout.strip()
+        changes = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if changes.strip() else "")
+
+
+# ---------------------------------------------------------------- output
+
+
+TABLE_COLUMNS = (
+    ("model", "model", str), ("tokens/rank", "tokens_per_rank", str), ("ep", "ep", str),
+    ("backend", "backend", str), ("precision", "precision", str), ("routing", "routing", str),
+    ("fwd ms", "fwd_ms", "{:.3f}"), ("bwd ms", "bwd_ms", "{:.3f}"),
+    ("fwd+bwd ms", "fwd_bwd_ms", "{:.3f}"), ("full layer ms", "full_layer_ms", "{:.3f}"),
+    ("fwd TFLOP/s", "fwd_tflops", "{:.3g}"), ("% peak", "pct_of_peak", "{:.1f}"),
+    ("fwd x torch", "speedup_fwd_vs_torch", "{:.2f}"),
+    ("full x torch", "speedup_full_vs_torch", "{:.2f}"),
+    ("status", "status", str),
+)
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(row, key, fmt):
+        value = row[key]
+        if value is None:
+            return "-"
+        return fmt(value) if callable(fmt) else fmt.format(value)
+
+    header = [title for title, _, _ in TABLE_COLUMNS]
+    body = [[cell(row, key, fmt) for _, key, fmt in TABLE_COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def line(cells):
+        # The last column (status) is left unpadded: skip messages can be long.
+        padded = [c.rjust(w) if i >= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(cells[:-1], widths))]
+        return "  ".join(padded + [cells[-1]])
+
+    rule = "-" * (sum(widths[:-1]) + 2 * (len(widths) - 1) + len("status"))
+    return "\n".join([line(header), rule, *(line(cells) for cells in body)])
+
+
+def default_name(args, is_cuda: bool) -> str:
+    tokens = "-".join(str(t) for t in args.tokens)
+    name = f"{'_'.join(args.model)}_t{tokens}_ep{args.ep}_{args.routing}"
+    return name if is_cuda else f"cpu-{name}"
+
+
+def write_outputs(results: dict, args) -> None:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.name or default_name(args, not results["cpu_smoke_run"])
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {json_path}", file=sys.stderr)
+    if args.no_plot:
+        return
+    from megamoe._plot import plot_results
+
+    png_path = plot_results(results, out_dir / f"{stem}.png")
+    if png_path is not None:
+        print(f"wrote {png_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
