@@ -1,0 +1,170 @@
+"""Checks a layer call's arguments and says plainly what is wrong.
+
+Backends differ in what they can run; each check names the argument, what was expected and
+what was given, so a user can fix the call without reading the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import MegaMoEError, NotBuiltError
+
+BACKENDS = ("fused", "torch", "reference")
+PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
+MAX_TOPK_FUSED = 16
+FUSED_DIM_MULTIPLE = 128
+# torch._grouped_mm needs 16-byte aligned rows.
+TORCH_DIM_MULTIPLE = 8
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes of one layer call."""
+
+    tokens: int          # T, tokens on this rank
+    hidden: int          # H
+    intermediate: int    # I
+    topk: int            # k
+    local_experts: int   # E_local, experts whose weights this rank holds
+    world_size: int      # W, ranks in the expert-parallel group
+    rank: int
+
+    @property
+    def num_experts(self) -> int:  # E_total
+        return self.local_experts * self.world_size
+
+
+def check_backend_and_precision(backend: str, precision: str) -> None:
+    if backend not in BACKENDS:
+        raise MegaMoEError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if precision not in PRECISIONS:
+        raise MegaMoEError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if backend == "reference":
+        return  # the reference computes the exact math whatever the precision
+    if precision == "mxfp8":
+        raise MegaMoEError(
+            "precision='mxfp8' (1x32 blocks, e8m0 scales) needs Blackwell (sm_100) block-scaled "
+            "MMA; on Hopper use 'fp8' (blockwise 1x128 / 128x128 scales) or 'bf16'")
+    if precision != "bf16":
+        raise NotBuiltError(f"precision={precision!r} is not built yet for backend={backend!r}; use 'bf16'")
+
+
+def _tensor(name, value):
+    if not isinstance(value, torch.Tensor):
+        raise MegaMoEError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if not value.is_contiguous():
+        raise MegaMoEError(f"{name}: expected a contiguous tensor (call .contiguous()), "
+                           f"got shape {tuple(value.shape)} with strides {value.stride()}")
+    return value
+
+
+def _shape(name, value, expected, how):
+    if tuple(value.shape) != tuple(expected):
+        raise MegaMoEError(f"{name}: expected shape {list(expected)} ({how}), got {list(value.shape)}")
+
+
+def _group_size_and_rank(group):
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise MegaMoEError("group: torch.distributed is not initialised")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend) -> Problem:
+    """Validates shapes, dtypes, devices and layout; returns the problem's sizes."""
+    for name, value in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                        ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        _tensor(name, value)
+    if x.dim() != 2:
+        raise MegaMoEError(f"x: expected 2 dimensions [T, H], got shape {list(x.shape)}; "
+                           "flatten the batch and sequence dimensions first")
+    T, H = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise MegaMoEError(f"topk_ids: expected shape [T={T}, k], got {list(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if k < 1:
+        raise MegaMoEError("topk_ids: k (its second dimension) must be at least 1")
+    _shape("topk_weights", topk_weights, (T, k), "same as topk_ids")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2 != 0:
+        raise MegaMoEError(f"w_gate_up: expected shape [E_local, 2*I, H={H}], got {list(w_gate_up.shape)}")
+    E_local, two_I, H_w = w_gate_up.shape
+    I = two_I // 2
+    if H_w != H:
+        raise MegaMoEError(f"w_gate_up: expected shape [E_local, 2*I, H={H}] (H from x), got {list(w_gate_up.shape)}")
+    if E_local < 1 or I < 1:
+        raise MegaMoEError(f"w_gate_up: expected at least one expert and I >= 1, got {list(w_gate_up.shape)}")
+    _shape("w_down", w_down, (E_local, H, I), f"[E_local, H, I] from w_gate_up {list(w_gate_up.shape)}")
+
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise MegaMoEError(f"topk_ids: expected dtype int32 or int64, got {topk_ids.dtype}")
+    if x.dtype not in _FLOATS:
+        raise MegaMoEError(f"x: expected a floating dtype, got {x.dtype}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.dtype != x.dtype:
+            raise MegaMoEError(f"{name}: expected dtype {x.dtype} (the dtype of x), got {w.dtype}")
+    if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        raise MegaMoEError(f"topk_weights: expected dtype float32 or bfloat16, got {topk_weights.dtype}")
+
+    for name, value in (("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                        ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if value.device != x.device:
+            raise MegaMoEError(f"{name}: expected device {x.device} (the device of x), got {value.device}")
+
+    W, rank = _group_size_and_rank(group)
+    problem = Problem(T, H, I, k, E_local, W, rank)
+    if k > problem.num_experts:
+        raise MegaMoEError(f"topk_ids: k={k} is larger than the number of experts E={problem.num_experts}")
+    _check_backend_limits(problem, x, backend, group)
+    return problem
+
+
+def _check_backend_limits(problem: Problem, x, backend, group):
+    H, I = problem.hidden, problem.intermediate
+    if backend == "reference" and group is not None and problem.world_size > 1:
+        raise MegaMoEError("backend='reference' runs the global problem on one device and takes no "
+                           "expert-parallel group; gather the experts' weights onto one rank")
+    if backend == "fused":
+        if H % FUSED_DIM_MULTIPLE or I % FUSED_DIM_MULTIPLE:
+            raise MegaMoEError(f"backend='fused' needs H and I to be multiples of {FUSED_DIM_MULTIPLE}, "
+                               f"got H={H}, I={I}")
+        if problem.topk > MAX_TOPK_FUSED:
+            raise MegaMoEError(f"backend='fused' takes k <= {MAX_TOPK_FUSED}, got k={problem.topk}")
+    if backend in ("fused", "torch") and x.is_cuda:
+        if x.dtype != torch.bfloat16:
+            raise MegaMoEError(f"backend={backend!r} on CUDA computes in bf16: expected x and the "
+                               f"weights in torch.bfloat16, got {x.dtype}")
+        if H % TORCH_DIM_MULTIPLE or I % TORCH_DIM_MULTIPLE:
+            raise MegaMoEError(f"backend={backend!r} on CUDA needs H and I to be multiples of "
+                               f"{TORCH_DIM_MULTIPLE} (16-byte rows), got H={H}, I={I}")
+    if backend == "fused" and not x.is_cuda:
+        raise MegaMoEError(f"backend='fused' runs on CUDA tensors, got x on {x.device}")
+
+
+def should_check_ids(check_ids) -> bool:
+    """Value checks read device memory: skip them while tracing or capturing a graph."""
+    if check_ids is not None:
+        return bool(check_ids)
+    if torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def check_ids_range(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Every id in [-1, num_experts); names the first offending slot. One host sync."""
+    if topk_ids.numel() == 0:
+        return
+    bad = (topk_ids < -1) | (topk_ids >= num_experts)
+    if bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        value = int(topk_ids[t, j])
+        raise MegaMoEError(f"topk_ids: expected ids in [-1, {num_experts}) (-1 = no expert), "
+                           f"got {value} at token {t}, slot {j}")

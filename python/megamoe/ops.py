@@ -1,0 +1,49 @@
+"""`megamoe.moe`: the layer call, dispatched to a backend after its arguments are checked."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate, torch_backend
+from ._reference_op import reference_moe
+from .errors import MegaMoEError, NotBuiltError
+
+
+def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        w_gate_up: torch.Tensor, w_down: torch.Tensor, group=None, buffer=None,
+        precision: str = "bf16", backend: str = "fused", *, check_ids: bool | None = None
+        ) -> torch.Tensor:
+    """The expert part of a Mixture-of-Experts layer: y = sum_j p_j * FFN_{e_j}(x).
+
+    Args:
+        x: [T, H] token activations.
+        topk_ids: [T, k] int32/int64 global expert ids in [-1, E_total); -1 means "no expert"
+            (the slot adds nothing and its weight gets gradient 0).
+        topk_weights: [T, k] float32 or bfloat16 router weights p.
+        w_gate_up: [E_local, 2I, H]; rows [0, I) are the gate, [I, 2I) the up projection.
+        w_down: [E_local, H, I].
+        group: expert-parallel process group of W ranks; rank r owns global experts
+            [r*E_local, (r+1)*E_local). None for one device.
+        buffer: the communication buffer of the fused expert-parallel backend (not built yet).
+        precision: "bf16" | "fp8" | "fp8_bwd" | "mxfp8" (matrix precision of fused/torch).
+        backend: "fused" | "torch" (TorchTitan-style baseline) | "reference".
+        check_ids: check that ids lie in [-1, E_total) (one host sync). Default: checked,
+            except while torch.compile traces or a CUDA graph is captured.
+
+    Returns y [T, H] in x's dtype. Gradients flow to x, topk_weights, w_gate_up, w_down.
+    """
+    _validate.check_backend_and_precision(backend, precision)
+    if backend == "fused":
+        raise NotBuiltError("backend='fused' is not built yet in this version of megamoe; "
+                            "use backend='torch' (baseline) or backend='reference'")
+    problem = _validate.check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend)
+    if buffer is not None:
+        raise NotBuiltError("buffer= belongs to the fused expert-parallel backend, which is not "
+                            "built yet; the 'torch' and 'reference' backends take no buffer")
+    if _validate.should_check_ids(check_ids):
+        _validate.check_ids_range(topk_ids, problem.num_experts)
+    if backend == "torch":
+        return torch_backend.moe(x, topk_ids, topk_weights, w_gate_up, w_down, group)
+    if backend == "reference":
+        return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
+    raise MegaMoEError(f"unhandled backend {backend!r}")  # unreachable: validated above

@@ -1,0 +1,111 @@
+"""Expert parallelism check, run under torchrun (one process per GPU):
+
+    torchrun --nproc-per-node 2 tests/python/ep_check.py [--backend torch]
+
+Every rank draws the same global problem; rank r takes tokens [r*T, (r+1)*T) and experts
+[r*E/W, (r+1)*E/W). The EP=W result, gathered, is compared with EP=1 on the whole problem
+and both with the float64 reference. Exits non-zero on any failure; prints one line a case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megamoe  # noqa: E402
+from megamoe import reference  # noqa: E402
+from moe_testing import make_problem, rel_err, run_with_grads  # noqa: E402
+
+NAMES = ("x", "topk_weights", "w_gate_up", "w_down")
+TOLERANCE = 1e-2          # against the float64 reference
+EP_VS_EP1_TOLERANCE = 5e-3
+
+
+def cases(world):
+    # name, tokens per rank, H, I, E, k, extra make_problem arguments
+    return [
+        ("qwen3-30b-a3b", 2048, 2048, 768, 128, 8, dict(invalid_fraction=0.01)),
+        ("qwen3-235b-a22b", 1024, 4096, 1536, 128, 8, {}),
+        ("k=1", 1000, 512, 256, 16, 1, {}),
+        # rank W-1 owns no expert that any token picks: it receives nothing
+        ("rank-receives-nothing", 777, 512, 256, 16, 4, dict(skip_experts=range(16 - 16 // world, 16))),
+        ("all-to-one-rank", 500, 512, 256, 16, 1, dict(one_expert=15)),
+    ]
+
+
+def local_slice(p, rank, world, T, E):
+    E_local = E // world
+    tokens = slice(rank * T, (rank + 1) * T)
+    experts = slice(rank * E_local, (rank + 1) * E_local)
+    out = {n: p[n][tokens] for n in ("x", "topk_ids", "topk_weights", "dy")}
+    out["w_gate_up"], out["w_down"] = p["w_gate_up"][experts], p["w_down"][experts]
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+def gather(t, world, group):
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def run_case(case, rank, world, group, backend, seed):
+    name, T, H, I, E, k, extra = case
+    p = make_problem(T * world, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=seed, **extra)
+    mine = local_slice(p, rank, world, T, E)
+    y, grads = run_with_grads(megamoe.moe, mine, group=group, backend=backend)
+    ep = {"y": gather(y, world, group)}
+    ep.update({n: gather(grads[n], world, group) for n in NAMES})
+    result = {"case": name, "tokens_per_rank": T, "ep": world}
+    if rank == 0:
+        y1, grads1 = run_with_grads(megamoe.moe, p, backend=backend)
+        ep1 = {"y": y1, **grads1}
+        args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
+        ref = {"y": reference.forward(*args)}
+        ref.update(zip(NAMES, reference.backward(p["dy"], *args)))
+        for n in ref:
+            result[f"{n}_ep_vs_ref"] = rel_err(ep[n], ref[n])
+            result[f"{n}_ep1_vs_ref"] = rel_err(ep1[n], ref[n])
+            result[f"{n}_ep_vs_ep1"] = rel_err(ep[n], ep1[n])
+            result[f"{n}_ep_bitwise_ep1"] = bool(torch.equal(ep[n], ep1[n]))
+        result["ok"] = all(result[f"{n}_ep_vs_ref"] < TOLERANCE and
+                           result[f"{n}_ep1_vs_ref"] < TOLERANCE and
+                           result[f"{n}_ep_vs_ep1"] < EP_VS_EP1_TOLERANCE for n in ref)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--json", default=None, help="write the results here (rank 0)")
+    args = parser.parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    results = []
+    for i, case in enumerate(cases(world)):
+        result = run_case(case, rank, world, group, args.backend, seed=1000 + i)
+        if rank == 0:
+            print(json.dumps(result), flush=True)
+            results.append(result)
+        torch.cuda.empty_cache()
+    ok = torch.tensor([all(r["ok"] for r in results) if rank == 0 else True], device="cuda")
+    dist.broadcast(ok, 0)
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+    if rank == 0:
+        print("EP check:", "PASSED" if ok.item() else "FAILED", flush=True)
+    sys.exit(0 if ok.item() else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Test helpers: fresh random problems and error measures (DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+# Fresh inputs on every run; set MEGAMOE_TEST_SEED to replay a failure.
+BASE_SEED = int(os.environ.get("MEGAMOE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref||_F / ||ref||_F in float64; NaN anywhere gives inf."""
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def make_problem(T, H, I, E, k, *, dtype=torch.float32, device="cpu", seed=0,
+                 invalid_fraction=0.0, skip_experts=(), one_expert=None, ids_dtype=torch.int64):
+    """Random inputs with distinct experts per token; some slots -1; some experts unused.
+
+    Drawn on `device` from one seeded generator, so every rank of a multi-GPU test can draw
+    the same global problem."""
+    g = torch.Generator(device=device).manual_seed(BASE_SEED + seed)
+    rand = dict(generator=g, device=device)
+    allowed = torch.tensor([e for e in range(E) if e not in set(skip_experts)], device=device)
+    if one_expert is not None:
+        ids = torch.full((T, k), -1, dtype=torch.int64, device=device)
+        ids[:, 0] = one_expert
+    else:
+        ids = allowed[torch.topk(torch.rand(T, len(allowed), **rand), k, dim=1).indices]
+    if invalid_fraction > 0:
+        ids[torch.rand(T, k, **rand) < invalid_fraction] = -1
+    weights = torch.softmax(torch.randn(T, k, **rand), dim=1)
+    w_gate_up = torch.randn(E, 2 * I, H, **rand) / H ** 0.5
+    w_down = torch.randn(E, H, I, **rand) / I ** 0.5
+    return dict(x=torch.randn(T, H, **rand).to(dtype), topk_ids=ids.to(ids_dtype),
+                topk_weights=weights, w_gate_up=w_gate_up.to(dtype), w_down=w_down.to(dtype),
+                dy=torch.randn(T, H, **rand).to(dtype))
+
+
+def run_with_grads(fn, problem, **kwargs):
+    """y and the gradients of <dy, y> for x, topk_weights, w_gate_up, w_down."""
+    leaves = {name: problem[name].detach().clone().requires_grad_(True)
+              for name in ("x", "topk_weights", "w_gate_up", "w_down")}
+    y = fn(leaves["x"], problem["topk_ids"], leaves["topk_weights"], leaves["w_gate_up"],
+           leaves["w_down"], **kwargs)
+    y.backward(problem["dy"])
+    return y.detach(), {name: leaf.grad for name, leaf in leaves.items()}

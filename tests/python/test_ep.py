@@ -1,0 +1,22 @@
+"""Launches ep_check.py under torchrun when this machine has two or more GPUs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two or more CUDA GPUs")
+def test_torch_backend_ep2_matches_ep1():
+    script = Path(__file__).with_name("ep_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ.copy())
+    print(proc.stdout[-20000:])
+    print(proc.stderr[-5000:], file=sys.stderr)
+    assert proc.returncode == 0, "EP check failed (see output)"

@@ -1,0 +1,100 @@
+"""Bad input gets a clear error that names the argument and the expectation."""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import MegaMoEError, NotBuiltError
+from moe_testing import make_problem
+
+
+def _args(**overrides):
+    p = make_problem(6, 16, 8, 4, 2, seed=1)
+    args = {n: p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")}
+    args.update(overrides)
+    return args
+
+
+def _call(backend="reference", **overrides):
+    return megamoe.moe(**_args(**overrides), backend=backend)
+
+
+@pytest.mark.parametrize("override,pattern", [
+    (dict(x=torch.randn(6, 16, 1)), r"x: expected 2 dimensions"),
+    (dict(x=torch.randn(6, 15)), r"w_gate_up: expected shape \[E_local, 2\*I, H=15\]"),
+    (dict(topk_ids=torch.zeros(5, 2, dtype=torch.int64)), r"topk_ids: expected shape \[T=6, k\]"),
+    (dict(topk_ids=torch.zeros(6, 2, dtype=torch.float32)), r"topk_ids: expected dtype int32 or int64"),
+    (dict(topk_weights=torch.rand(6, 3)), r"topk_weights: expected shape \[6, 2\]"),
+    (dict(topk_weights=torch.rand(6, 2).to(torch.float16)), r"topk_weights: expected dtype"),
+    (dict(w_gate_up=torch.randn(4, 15, 16)), r"w_gate_up: expected shape"),
+    (dict(w_down=torch.randn(3, 16, 8)), r"w_down: expected shape \[4, 16, 8\]"),
+    (dict(w_down=torch.randn(4, 16, 8, dtype=torch.float64)), r"w_down: expected dtype torch.float32"),
+    (dict(x=torch.randn(16, 6).t()), r"x: expected a contiguous tensor"),
+    (dict(x=[[1.0]]), r"x: expected a torch.Tensor"),
+    (dict(x=torch.zeros(6, 16, dtype=torch.int32)), r"x: expected a floating dtype"),
+    (dict(topk_ids=torch.full((6, 5), 0)), r"topk_weights: expected shape"),
+])
+def test_bad_arguments(override, pattern):
+    with pytest.raises(MegaMoEError, match=pattern):
+        _call(**override)
+
+
+@pytest.mark.parametrize("bad", [-2, 4, 1000])
+def test_expert_ids_out_of_range(bad):
+    ids = torch.zeros(6, 2, dtype=torch.int64)
+    ids[:, 1] = 1
+    ids[4, 1] = bad
+    for backend in ("reference", "torch"):
+        with pytest.raises(MegaMoEError, match=rf"ids in \[-1, 4\).*got {bad} at token 4, slot 1"):
+            _call(backend, topk_ids=ids)
+
+
+def test_k_larger_than_experts():
+    with pytest.raises(MegaMoEError, match="k=5 is larger than the number of experts E=4"):
+        _call(topk_ids=torch.zeros(6, 5, dtype=torch.int64), topk_weights=torch.rand(6, 5))
+
+
+def test_backend_and_precision_names():
+    with pytest.raises(MegaMoEError, match="backend: expected one of"):
+        _call("cutlass")
+    with pytest.raises(MegaMoEError, match="precision: expected one of"):
+        megamoe.moe(**_args(), precision="fp4", backend="torch")
+    with pytest.raises(MegaMoEError, match="mxfp8.*Blackwell"):
+        megamoe.moe(**_args(), precision="mxfp8", backend="torch")
+    with pytest.raises(NotBuiltError, match="fp8"):
+        megamoe.moe(**_args(), precision="fp8", backend="torch")
+
+
+def test_fused_is_not_built_yet():
+    p = make_problem(4, 128, 128, 4, 2, seed=2)
+    args = {n: p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")}
+    with pytest.raises(NotBuiltError, match="not built yet"):
+        megamoe.moe(**args, backend="fused")
+    with pytest.raises(NotImplementedError):
+        megamoe.moe(**args, backend="fused")
+
+
+def test_devices_must_match():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU to have two devices")
+    with pytest.raises(MegaMoEError, match="w_down: expected device cpu"):
+        _call(w_down=torch.randn(4, 16, 8, device="cuda"))
+
+
+def test_buffer_is_refused_until_fused_ep_exists():
+    with pytest.raises(NotBuiltError, match="buffer="):
+        megamoe.moe(**_args(), buffer=object(), backend="torch")
+
+
+def test_library_errors_name_the_argument():
+    """The C ABI validates too: call the reference directly with an id out of range."""
+    from megamoe import _lib
+    from megamoe._reference_op import _descs
+    a = _args()
+    ids = a["topk_ids"].clone()
+    ids[2, 0] = 9
+    y = torch.empty_like(a["x"])
+    d = _descs(a["x"], ids, a["topk_weights"], a["w_gate_up"], a["w_down"], y)
+    with pytest.raises(megamoe.LibraryError, match="topk_ids") as info:
+        _lib.call("megamoe_reference_forward", *(_lib.ref(v) for v in d))
+    assert "INVALID_ARGUMENT" in str(info.value)
