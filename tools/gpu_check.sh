@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every GPU test plus a short benchmark, in one go, on a machine with one or more GPUs.
+# Uses the library and C++ tests already built in build/ (tools/run_tests.sh builds them;
+# carry build/ to the GPU machine instead of compiling there).
+#
+#   bash tools/gpu_check.sh OUT_DIR            # tests + short benchmark
+#   MEGAMOE_BENCH_ARGS="--tokens 16384" bash tools/gpu_check.sh OUT_DIR
+#
+# Writes to OUT_DIR: gpu.txt, ctest.log (+ gtest.xml), pytest.log, ep_check.json (2+ GPUs),
+# bench-short.json and the benchmark log. Exits non-zero if any step failed.
+set -uo pipefail
+out=${1:?usage: tools/gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}"
+export MEGAMOE_LIBRARY=${MEGAMOE_LIBRARY:-$repo/build/libmegamoe.so}
+# NVLink multicast stays off on shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+failed=()
+step() {  # step NAME LOG COMMAND...: runs a step, keeps its log, remembers a failure
+  local name=$1 log=$2; shift 2
+  echo "== $name" >&2
+  local t0=$SECONDS
+  if "$@" >"$out/$log" 2>&1; then echo "   ok ($((SECONDS - t0)) s)" >&2
+  else echo "   FAILED ($((SECONDS - t0)) s), see $log" >&2; tail -n 30 "$out/$log" >&2; failed+=("$name"); fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv >"$out/gpu.txt" 2>&1
+nvidia-smi topo -m >>"$out/gpu.txt" 2>&1
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "GPUs: $gpus" >&2
+
+step "C++ tests" ctest.log build/tests/cpp/megamoe_tests --gtest_output="xml:$out/gtest.xml"
+step "Python tests" pytest.log python3 -m pytest -v -rs tests/python --ignore=tests/python/test_ep.py
+if [ "$gpus" -ge 2 ]; then
+  step "EP=2 check" ep_check.log python3 -m torch.distributed.run --nproc-per-node 2 \
+    tests/python/ep_check.py --json "$out/ep_check.json"
+fi
+# shellcheck disable=SC2086
+step "short benchmark" bench-short.log python3 -m megamoe.bench --backends torch,fused \
+  --tokens 4096 --iters 10 --warmup 3 --out-dir "$out" --name bench-short --no-plot ${MEGAMOE_BENCH_ARGS:-}
+
+tail -n 25 "$out/bench-short.log" >&2
+if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}" >&2; exit 1; fi
+echo "all GPU checks passed" >&2
