@@ -37,7 +37,7 @@ echo "GPUs: $gpus" >&2
 step "C++ tests" ctest.log build/tests/cpp/megamoe_tests --gtest_output="xml:$out/gtest.xml"
 step "Python tests" pytest.log python3 -m pytest -v -rs tests/python --ignore=tests/python/test_ep.py
 if [ "$gpus" -ge 2 ]; then
-  step "EP=2 check" ep_check.log python3 -m torch.distributed.run --nproc-per-node 2 \
+  step "EP=2 check" ep_check.log python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     tests/python/ep_check.py --json "$out/ep_check.json"
 fi
 # shellcheck disable=SC2086

@@ -75,8 +75,9 @@ def _check_same_layout(group, world, E_local, H, I, device):
     if key in _checked_groups:
         return
     mine = torch.tensor([E_local, H, I], dtype=torch.int64, device=device)
-    everyone = torch.empty(world, 3, dtype=torch.int64, device=device)
+    everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
     torch.distributed.all_gather_into_tensor(everyone, mine, group=group)
+    everyone = everyone.view(world, 3)
     if not bool((everyone == mine).all()):
         raise MegaMoEError("expert-parallel ranks disagree on [E_local, H, I]: "
                            f"{everyone.tolist()}; every rank must hold the same number of experts")

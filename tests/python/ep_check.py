@@ -1,6 +1,6 @@
 """Expert parallelism check, run under torchrun (one process per GPU):
 
-    torchrun --nproc-per-node 2 tests/python/ep_check.py [--backend torch]
+    torchrun --nproc-per-node 2 tests/python/ep_check.py [--backend torch] [--cpu]
 
 Every rank draws the same global problem; rank r takes tokens [r*T, (r+1)*T) and experts
 [r*E/W, (r+1)*E/W). The EP=W result, gathered, is compared with EP=1 on the whole problem
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megamoe  # noqa: E402
+import moe_testing  # noqa: E402
 from megamoe import reference  # noqa: E402
 from moe_testing import make_problem, rel_err, run_with_grads  # noqa: E402
 
@@ -27,8 +28,15 @@ TOLERANCE = 1e-2          # against the float64 reference
 EP_VS_EP1_TOLERANCE = 5e-3
 
 
-def cases(world):
+def cases(world, on_gpu):
     # name, tokens per rank, H, I, E, k, extra make_problem arguments
+    if not on_gpu:  # float32 on gloo: small shapes, same situations
+        return [
+            ("small", 64, 32, 16, 8, 2, dict(invalid_fraction=0.1)),
+            ("k=1", 33, 32, 16, 8, 1, {}),
+            ("rank-receives-nothing", 20, 32, 16, 8, 2, dict(skip_experts=range(8 - 8 // world, 8))),
+            ("all-to-one-rank", 17, 32, 16, 8, 1, dict(one_expert=7)),
+        ]
     return [
         ("qwen3-30b-a3b", 2048, 2048, 768, 128, 8, dict(invalid_fraction=0.01)),
         ("qwen3-235b-a22b", 1024, 4096, 1536, 128, 8, {}),
@@ -54,9 +62,10 @@ def gather(t, world, group):
     return torch.cat(parts)
 
 
-def run_case(case, rank, world, group, backend, seed):
+def run_case(case, rank, world, group, backend, seed, device):
     name, T, H, I, E, k, extra = case
-    p = make_problem(T * world, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=seed, **extra)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    p = make_problem(T * world, H, I, E, k, dtype=dtype, device=device, seed=seed, **extra)
     mine = local_slice(p, rank, world, T, E)
     y, grads = run_with_grads(megamoe.moe, mine, group=group, backend=backend)
     ep = {"y": gather(y, world, group)}
@@ -83,20 +92,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
+    parser.add_argument("--cpu", action="store_true", help="float32 on CPU over gloo")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
+    # Every rank must draw the same global problem: share rank 0's fresh seed.
+    seed = torch.tensor([moe_testing.BASE_SEED], dtype=torch.int64, device=device)
+    dist.broadcast(seed, 0)
+    moe_testing.BASE_SEED = int(seed.item())
+    if rank == 0:
+        print(f"seed {moe_testing.BASE_SEED} (MEGAMOE_TEST_SEED replays it)", flush=True)
     results = []
-    for i, case in enumerate(cases(world)):
-        result = run_case(case, rank, world, group, args.backend, seed=1000 + i)
+    for i, case in enumerate(cases(world, not args.cpu)):
+        result = run_case(case, rank, world, group, args.backend, 1000 + i, device)
         if rank == 0:
             print(json.dumps(result), flush=True)
             results.append(result)
-        torch.cuda.empty_cache()
-    ok = torch.tensor([all(r["ok"] for r in results) if rank == 0 else True], device="cuda")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ok = torch.tensor([all(r["ok"] for r in results) if rank == 0 else True], device=device)
     dist.broadcast(ok, 0)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:

@@ -1,4 +1,5 @@
-"""Launches ep_check.py under torchrun when this machine has two or more GPUs."""
+"""Runs ep_check.py under torchrun: float32 over gloo on the CPU always, bf16 over NCCL
+when this machine has two or more GPUs."""
 
 import os
 import subprocess
@@ -8,15 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
 
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs two or more CUDA GPUs")
-def test_torch_backend_ep2_matches_ep1():
+def _run_ep_check(*extra):
     script = Path(__file__).with_name("ep_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", str(script), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ.copy())
     print(proc.stdout[-20000:])
     print(proc.stderr[-5000:], file=sys.stderr)
     assert proc.returncode == 0, "EP check failed (see output)"
+    assert "EP check: PASSED" in proc.stdout
+
+
+def test_torch_backend_ep2_matches_ep1_on_cpu():
+    _run_ep_check("--cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two or more CUDA GPUs")
+def test_torch_backend_ep2_matches_ep1_on_gpus():
+    _run_ep_check()
