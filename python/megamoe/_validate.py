@@ -14,8 +14,6 @@ from .errors import MegaMoEError, NotBuiltError
 
 BACKENDS = ("fused", "torch", "reference")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
-MAX_TOPK_FUSED = 16
-FUSED_DIM_MULTIPLE = 128
 # torch._grouped_mm needs 16-byte aligned rows.
 TORCH_DIM_MULTIPLE = 8
 
@@ -130,21 +128,13 @@ def _check_backend_limits(problem: Problem, x, backend, group):
     if backend == "reference" and group is not None and problem.world_size > 1:
         raise MegaMoEError("backend='reference' runs the global problem on one device and takes no "
                            "expert-parallel group; gather the experts' weights onto one rank")
-    if backend == "fused":
-        if H % FUSED_DIM_MULTIPLE or I % FUSED_DIM_MULTIPLE:
-            raise MegaMoEError(f"backend='fused' needs H and I to be multiples of {FUSED_DIM_MULTIPLE}, "
-                               f"got H={H}, I={I}")
-        if problem.topk > MAX_TOPK_FUSED:
-            raise MegaMoEError(f"backend='fused' takes k <= {MAX_TOPK_FUSED}, got k={problem.topk}")
-    if backend in ("fused", "torch") and x.is_cuda:
+    if backend == "torch" and x.is_cuda:
         if x.dtype != torch.bfloat16:
-            raise MegaMoEError(f"backend={backend!r} on CUDA computes in bf16: expected x and the "
-                               f"weights in torch.bfloat16, got {x.dtype}")
+            raise MegaMoEError(f"backend='torch' on CUDA computes in bf16 (torch._grouped_mm): "
+                               f"expected x and the weights in torch.bfloat16, got {x.dtype}")
         if H % TORCH_DIM_MULTIPLE or I % TORCH_DIM_MULTIPLE:
-            raise MegaMoEError(f"backend={backend!r} on CUDA needs H and I to be multiples of "
+            raise MegaMoEError(f"backend='torch' on CUDA needs H and I to be multiples of "
                                f"{TORCH_DIM_MULTIPLE} (16-byte rows), got H={H}, I={I}")
-    if backend == "fused" and not x.is_cuda:
-        raise MegaMoEError(f"backend='fused' runs on CUDA tensors, got x on {x.device}")
 
 
 def should_check_ids(check_ids) -> bool:

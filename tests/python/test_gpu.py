@@ -67,3 +67,14 @@ def test_routing_counts_on_device():
     expected = torch.bincount(flat[(flat >= 0) & (flat < E)], minlength=E)
     assert torch.equal(counts.long(), expected)
     assert invalid.item() == 3
+
+
+def test_torch_backend_on_cuda_refuses_what_grouped_mm_cannot_take():
+    p = make_problem(8, 64, 32, 8, 2, device="cuda", seed=4)
+    args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
+    with pytest.raises(megamoe.MegaMoEError, match="torch.bfloat16, got torch.float32"):
+        megamoe.moe(*args, backend="torch")
+    p = make_problem(8, 60, 32, 8, 2, dtype=torch.bfloat16, device="cuda", seed=4)
+    args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
+    with pytest.raises(megamoe.MegaMoEError, match="multiples of 8"):
+        megamoe.moe(*args, backend="torch")
