@@ -1,0 +1,422 @@
+// Routing plan on the device (contract in routing_plan.h). Three launches on the stream:
+//
+//  1. plan_hist:    block b counts the slots of its span [b*span, (b+1)*span) per expert
+//                   -> hist[b][e] (scratch), and its invalid ids -> bad[b].
+//  2. plan_scan:    one block: counts[e] = sum_b hist[b][e], then the expert and tile
+//                   offsets (exclusive scans over e), then in place
+//                   hist[b][e] <- expert_offsets[e] + sum_{b' < b} hist[b'][e],
+//                   the first sorted row of expert e that block b owns.
+//  3. plan_scatter: block b walks its span again in tiles of warps x 128 slots. Each warp
+//                   counts its 128 slots per expert (peers from __match_any_sync), the
+//                   block scans those counts across warps in warp order on top of a running
+//                   row per expert, and each warp then ranks its slots: the rank of a slot
+//                   is the number of same-expert slots before it in lower lanes of the same
+//                   item, earlier items of the warp, lower warps of the tile, earlier tiles,
+//                   earlier blocks and lower experts. So row = stable position of the slot,
+//                   exactly a stable argsort by expert. Rows >= N of the span get -1.
+//
+// Determinism: every value written is an exact integer function of the ids. The only
+// atomics are integer shared-memory additions into per-block counts (commutative, so the
+// sums do not depend on their order); ranks come from ballots, popcounts and sequential
+// scans in fixed order, never from atomic return values.
+#include "kernels/common/routing_plan.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace megamoe {
+namespace {
+
+constexpr int kItems = 4;                        // slots per lane per tile
+constexpr int kSlotsPerWarp = 32 * kItems;       // slots per warp per tile
+constexpr int kMaxWarps = 8;                     // warps per block of hist / scatter
+constexpr int64_t kSmemInts = 48 * 1024 / 4;     // default dynamic shared memory, in ints
+constexpr int64_t kMaxHistEntries = 1 << 17;     // bound on blocks * E (scan cost)
+constexpr int kScanThreads = 1024;
+constexpr int kScanBatch = 16;                   // hist loads in flight per scan thread
+
+constexpr int32_t kKeyNone = -1;     // id -1: no expert
+constexpr int32_t kKeyInvalid = -2;  // id < -1 or >= E: no expert, counted
+constexpr int32_t kKeyOutside = -3;  // lane past the end of the span
+
+static_assert(kMaxWarps * 32 <= 1024);
+
+// Launch shape: a pure function of (n, E), so the scratch size is too.
+struct PlanConfig {
+  int warps;       // warps per block (hist and scatter)
+  int64_t tile;    // slots per tile = warps * kSlotsPerWarp
+  int64_t span;    // slots per block, a multiple of tile
+  int64_t blocks;  // ceil(n / span); 0 when n = 0
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+PlanConfig plan_config(int64_t n, int64_t E) {
+  PlanConfig c{};
+  // The scatter block keeps (warps + 1) rows of E ints in shared memory.
+  c.warps = static_cast<int>(std::min<int64_t>(kMaxWarps, kSmemInts / E - 1));
+  c.tile = c.warps * int64_t{kSlotsPerWarp};
+  if (n == 0) {
+    c.span = c.tile;
+    c.blocks = 0;
+    return c;
+  }
+  const int64_t tiles = ceil_div(n, c.tile);
+  const int64_t max_blocks = std::max<int64_t>(1, kMaxHistEntries / E);
+  c.span = ceil_div(tiles, max_blocks) * c.tile;
+  c.blocks = ceil_div(n, c.span);
+  return c;
+}
+
+void check_experts(int64_t E) {
+  if (E < 1 || E > kRoutingPlanMaxExperts) {
+    throw_invalid("build_routing_plan: num_experts: expected a value in [1, " +
+                  std::to_string(kRoutingPlanMaxExperts) + "], got " + std::to_string(E));
+  }
+}
+
+template <class Id>
+__device__ __forceinline__ int32_t classify(Id id, int32_t E) {
+  if (id >= 0 && id < static_cast<Id>(E)) return static_cast<int32_t>(id);
+  return id == Id(-1) ? kKeyNone : kKeyInvalid;
+}
+
+// keys[it] for slot first + 32 * it (first = this lane's slot of item 0).
+template <class Id>
+__device__ __forceinline__ void load_keys(const Id* __restrict__ ids, int64_t first, int64_t end,
+                                          int32_t E, int32_t (&keys)[kItems]) {
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    const int64_t s = first + 32 * it;
+    keys[it] = s < end ? classify(__ldg(ids + s), E) : kKeyOutside;
+  }
+}
+
+template <class Id>
+__global__ void __launch_bounds__(kMaxWarps * 32)
+    plan_hist_kernel(const Id* __restrict__ ids, int64_t n, int32_t E, int64_t span,
+                     int32_t* __restrict__ hist, int32_t* __restrict__ bad) {
+  extern __shared__ int32_t count[];  // [E]
+  __shared__ int32_t block_bad;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
+  if (tid == 0) block_bad = 0;
+  __syncthreads();
+
+  const int64_t begin = blockIdx.x * span;
+  const int64_t end = min(n, begin + span);
+  const int64_t tile = (blockDim.x >> 5) * int64_t{kSlotsPerWarp};
+  int32_t nbad = 0;
+  for (int64_t t0 = begin; t0 < end; t0 += tile) {
+    int32_t keys[kItems];
+    load_keys(ids, t0 + warp * kSlotsPerWarp + lane, end, E, keys);
+#pragma unroll
+    for (int it = 0; it < kItems; ++it) {
+      // One shared atomic per (warp, item, expert present) rather than per slot: all
+      // slots to one expert would otherwise serialize on one address.
+      const uint32_t peers = __match_any_sync(0xffffffffu, keys[it]);
+      if (keys[it] >= 0 && lane == __ffs(peers) - 1) atomicAdd(&count[keys[it]], __popc(peers));
+      nbad += keys[it] == kKeyInvalid;
+    }
+  }
+  nbad = __reduce_add_sync(0xffffffffu, nbad);
+  if (lane == 0 && nbad != 0) atomicAdd(&block_bad, nbad);
+  __syncthreads();
+  int32_t* out = hist + static_cast<int64_t>(blockIdx.x) * E;
+  for (int e = tid; e < E; e += blockDim.x) out[e] = count[e];
+  if (tid == 0) bad[blockIdx.x] = block_bad;
+}
+
+// Exclusive scan of one value per thread over a block of kScanThreads; `total` gets the
+// sum. Starts with a barrier, so `warp_sums` may be reused by consecutive calls.
+__device__ __forceinline__ int32_t block_exclusive_scan(int32_t v, int32_t* warp_sums,
+                                                        int32_t& total) {
+  constexpr int kWarps = kScanThreads / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int32_t x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  __syncthreads();
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = lane < kWarps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += y;
+    }
+    if (lane < kWarps) warp_sums[lane] = w;
+  }
+  __syncthreads();
+  total = warp_sums[kWarps - 1];
+  return (warp == 0 ? 0 : warp_sums[warp - 1]) + x - v;
+}
+
+__device__ __forceinline__ int32_t tiles_of(int32_t count, int32_t block_m) {
+  return count / block_m + (count % block_m != 0);
+}
+
+// One block. `parts` splits the blocks of each expert column among threads:
+// thread work item i = (part p, expert e) covers hist rows [p*blocks/parts, (p+1)*blocks/parts).
+__global__ void __launch_bounds__(kScanThreads)
+    plan_scan_kernel(int32_t* __restrict__ hist, const int32_t* __restrict__ bad,
+                     int32_t blocks, int32_t E, int32_t parts, int32_t block_m,
+                     RoutingPlan plan) {
+  extern __shared__ int32_t smem[];
+  int32_t* partial = smem;          // [parts][E]
+  int32_t* base = smem + parts * E; // [E]: counts, then expert offsets
+  __shared__ int32_t warp_sums[kScanThreads / 32];
+  const int tid = threadIdx.x;
+
+  int32_t nbad = 0;
+  for (int b = tid; b < blocks; b += kScanThreads) nbad += bad[b];
+  int32_t total_bad = 0;
+  (void)block_exclusive_scan(nbad, warp_sums, total_bad);
+  if (tid == 0) *plan.invalid_count = total_bad;
+
+  // 1. Partial sums per (part, expert); loads coalesced across experts.
+  for (int i = tid; i < parts * E; i += kScanThreads) {
+    const int p = i / E, e = i - p * E;
+    const int b0 = static_cast<int>(int64_t{p} * blocks / parts);
+    const int b1 = static_cast<int>(int64_t{p + 1} * blocks / parts);
+    int32_t s = 0;
+    for (int b = b0; b < b1; b += kScanBatch) {
+      int32_t c[kScanBatch];
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) {
+        c[u] = b + u < b1 ? hist[static_cast<int64_t>(b + u) * E + e] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) s += c[u];
+    }
+    partial[i] = s;
+  }
+  __syncthreads();
+  // 2. Exclusive scan over parts per expert; the totals are the counts.
+  for (int e = tid; e < E; e += kScanThreads) {
+    int32_t s = 0;
+    for (int p = 0; p < parts; ++p) {
+      const int32_t c = partial[p * E + e];
+      partial[p * E + e] = s;
+      s += c;
+    }
+    base[e] = s;
+    plan.expert_counts[e] = s;
+  }
+  __syncthreads();
+  // 3. Exclusive scans over experts: thread tid owns the contiguous experts [e0, e1).
+  const int per = (E + kScanThreads - 1) / kScanThreads;
+  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
+  int32_t c_sum = 0, t_sum = 0;
+  for (int e = e0; e < e1; ++e) {
+    c_sum += base[e];
+    t_sum += tiles_of(base[e], block_m);
+  }
+  int32_t c_total = 0, t_total = 0;
+  int32_t c_run = block_exclusive_scan(c_sum, warp_sums, c_total);
+  int32_t t_run = block_exclusive_scan(t_sum, warp_sums, t_total);
+  for (int e = e0; e < e1; ++e) {
+    const int32_t c = base[e];
+    plan.expert_offsets[e] = c_run;
+    plan.tile_offsets[e] = t_run;
+    base[e] = c_run;
+    c_run += c;
+    t_run += tiles_of(c, block_m);
+  }
+  if (tid == 0) {
+    plan.expert_offsets[E] = c_total;
+    plan.tile_offsets[E] = t_total;
+  }
+  __syncthreads();
+  // 4. In place: hist[b][e] <- first sorted row of expert e owned by block b.
+  for (int i = tid; i < parts * E; i += kScanThreads) {
+    const int p = i / E, e = i - p * E;
+    const int b0 = static_cast<int>(int64_t{p} * blocks / parts);
+    const int b1 = static_cast<int>(int64_t{p + 1} * blocks / parts);
+    int32_t s = base[e] + partial[i];
+    for (int b = b0; b < b1; b += kScanBatch) {
+      // All loads of the batch before its stores: the compiler cannot tell the rows apart.
+      int32_t c[kScanBatch];
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) {
+        c[u] = b + u < b1 ? hist[static_cast<int64_t>(b + u) * E + e] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) {
+        if (b + u < b1) hist[static_cast<int64_t>(b + u) * E + e] = s;
+        s += c[u];
+      }
+    }
+  }
+}
+
+template <class Id>
+__global__ void __launch_bounds__(kMaxWarps * 32)
+    plan_scatter_kernel(const Id* __restrict__ ids, int64_t n, int32_t k, int32_t E,
+                        int64_t span, const int32_t* __restrict__ first_row,
+                        RoutingPlan plan) {
+  extern __shared__ int32_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = blockDim.x >> 5;
+  int32_t* run = smem;                // [E]: next row of each expert for this block
+  int32_t* warp_rows = smem + E;      // [warps][E]: per-warp counts, then first rows
+  int32_t* mine = warp_rows + warp * E;
+
+  const int64_t begin = blockIdx.x * span;
+  const int64_t end = min(n, begin + span);
+  // Rows >= N of this span: no pair lands there.
+  const int64_t num_valid = plan.expert_offsets[E];
+  for (int64_t r = max(begin, num_valid) + tid; r < end; r += blockDim.x) {
+    plan.row_token[r] = -1;
+    plan.row_slot[r] = -1;
+  }
+  for (int e = tid; e < E; e += blockDim.x) {
+    run[e] = first_row[static_cast<int64_t>(blockIdx.x) * E + e];
+  }
+
+  const uint32_t lower = (1u << lane) - 1u;
+  const int64_t tile = warps * int64_t{kSlotsPerWarp};
+  for (int64_t t0 = begin; t0 < end; t0 += tile) {
+    const int64_t first = t0 + warp * kSlotsPerWarp + lane;
+    int32_t keys[kItems];
+    uint32_t peers[kItems];
+    load_keys(ids, first, end, E, keys);
+    for (int e = lane; e < E; e += 32) mine[e] = 0;
+    __syncwarp();
+    // Count this warp's slots per expert (the lowest lane of each group adds its size).
+#pragma unroll
+    for (int it = 0; it < kItems; ++it) {
+      peers[it] = __match_any_sync(0xffffffffu, keys[it]);
+      if (keys[it] >= 0 && lane == __ffs(peers[it]) - 1) mine[keys[it]] += __popc(peers[it]);
+      __syncwarp();
+    }
+    __syncthreads();
+    // Per expert, in warp order: each warp's first row, and the block's next row.
+    for (int e = tid; e < E; e += blockDim.x) {
+      int32_t s = run[e];
+      for (int w = 0; w < warps; ++w) {
+        const int32_t c = warp_rows[w * E + e];
+        warp_rows[w * E + e] = s;
+        s += c;
+      }
+      run[e] = s;
+    }
+    __syncthreads();
+    // Rank: items in order, lanes in order inside an item.
+#pragma unroll
+    for (int it = 0; it < kItems; ++it) {
+      const int32_t key = keys[it];
+      const bool leader = key >= 0 && lane == __ffs(peers[it]) - 1;
+      int32_t row = 0;
+      if (key >= 0) row = mine[key] + __popc(peers[it] & lower);
+      __syncwarp();
+      if (leader) mine[key] = row + __popc(peers[it]);  // the leader's rank is 0
+      __syncwarp();
+      const int64_t s = first + 32 * it;
+      if (key >= 0) {
+        const auto slot = static_cast<int32_t>(s);
+        plan.row_token[row] = slot / k;
+        plan.row_slot[row] = slot;
+        plan.slot_row[slot] = row;
+      } else if (key != kKeyOutside) {
+        plan.slot_row[s] = -1;
+      }
+    }
+    // No barrier needed before the next tile: a warp only touches its own row of
+    // warp_rows outside the two barriers above, and `run` only between them.
+  }
+}
+
+template <class Id>
+void launch_plan(const Id* ids, int64_t n, int64_t k, int32_t E, int32_t block_m,
+                 const RoutingPlan& plan, int32_t* scratch, cudaStream_t stream) {
+  const PlanConfig c = plan_config(n, E);
+  int32_t* hist = scratch;                              // [blocks][E]
+  int32_t* bad = scratch ? scratch + c.blocks * E : nullptr;  // [blocks]
+  const int threads = c.warps * 32;
+  const auto blocks = static_cast<int32_t>(c.blocks);
+  if (blocks > 0) {
+    plan_hist_kernel<Id><<<blocks, threads, E * sizeof(int32_t), stream>>>(ids, n, E, c.span,
+                                                                             hist, bad);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  }
+  const int parts = std::max(1, std::min(kScanThreads / E, blocks));
+  const size_t scan_smem = static_cast<size_t>(parts + 1) * E * sizeof(int32_t);
+  plan_scan_kernel<<<1, kScanThreads, scan_smem, stream>>>(hist, bad, blocks, E, parts, block_m,
+                                                           plan);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  if (blocks > 0) {
+    const size_t smem = static_cast<size_t>(c.warps + 1) * E * sizeof(int32_t);
+    plan_scatter_kernel<Id><<<blocks, threads, smem, stream>>>(
+        ids, n, static_cast<int32_t>(k), E, c.span, hist, plan);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+bool misaligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment != 0;
+}
+
+}  // namespace
+
+size_t routing_plan_scratch_bytes(int64_t num_slots, int64_t num_experts) {
+  check_experts(num_experts);
+  if (num_slots < 0 || num_slots > INT32_MAX) {
+    throw_invalid("routing_plan_scratch_bytes: num_slots: expected a value in [0, 2147483647], "
+                  "got " + std::to_string(num_slots));
+  }
+  const PlanConfig c = plan_config(num_slots, num_experts);
+  return static_cast<size_t>(c.blocks * (num_experts + 1)) * sizeof(int32_t);
+}
+
+void build_routing_plan(const void* topk_ids, bool ids_are_int64, int64_t T, int64_t k, int64_t E,
+                        int32_t block_m, const RoutingPlan& plan, void* scratch,
+                        cudaStream_t stream) {
+  check_experts(E);
+  if (T < 0) throw_invalid("build_routing_plan: T: expected >= 0, got " + std::to_string(T));
+  if (k < 1) throw_invalid("build_routing_plan: k: expected >= 1, got " + std::to_string(k));
+  if (T > INT32_MAX / k) {
+    throw_invalid("build_routing_plan: T*k = " + std::to_string(T) + "*" + std::to_string(k) +
+                  " slots, expected fewer than 2^31");
+  }
+  if (block_m < 1) {
+    throw_invalid("build_routing_plan: block_m: expected >= 1, got " + std::to_string(block_m));
+  }
+  const int64_t n = T * k;
+  if (!plan.expert_counts || !plan.expert_offsets || !plan.tile_offsets || !plan.invalid_count) {
+    throw_invalid("build_routing_plan: plan.expert_counts, expert_offsets, tile_offsets and "
+                  "invalid_count must all be non-null");
+  }
+  if (n > 0) {
+    if (!topk_ids) throw_invalid("build_routing_plan: topk_ids is null");
+    if (!plan.row_token || !plan.row_slot || !plan.slot_row) {
+      throw_invalid("build_routing_plan: plan.row_token, row_slot and slot_row must all be "
+                    "non-null when T*k > 0");
+    }
+    if (!scratch) throw_invalid("build_routing_plan: scratch is null");
+    if (misaligned(topk_ids, ids_are_int64 ? 8 : 4)) {
+      throw_invalid("build_routing_plan: topk_ids is not aligned to its element size");
+    }
+    if (misaligned(scratch, 4)) throw_invalid("build_routing_plan: scratch is not 4-byte aligned");
+  }
+  auto* s = static_cast<int32_t*>(scratch);
+  const auto experts = static_cast<int32_t>(E);
+  if (ids_are_int64) {
+    launch_plan(static_cast<const int64_t*>(topk_ids), n, k, experts, block_m, plan, s, stream);
+  } else {
+    launch_plan(static_cast<const int32_t*>(topk_ids), n, k, experts, block_m, plan, s, stream);
+  }
+}
+
+}  // namespace megamoe
