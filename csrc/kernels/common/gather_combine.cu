@@ -1,0 +1,210 @@
+// Gather into expert-sorted rows and combine of the k expert outputs per token (contract in
+// gather_combine.h). Both are memory bound: 16-byte loads and stores, each row handled by a
+// group of `lanes` consecutive threads (a power of two) so that a warp covers one row or
+// several whole rows with contiguous accesses, grid-stride over rows.
+#include "kernels/common/gather_combine.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace megamoe {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kGatherUnroll = 4;                // 16-byte vectors in flight per thread
+constexpr int kCombineGroup = 8;                // slots whose rows are loaded together
+
+// log2 of the threads per row: the smallest power of two >= `per_row`, at most kThreads.
+int lanes_log2_for(int64_t per_row) {
+  int l = 0;
+  while ((int64_t{1} << l) < per_row && (1 << l) < kThreads) ++l;
+  return l;
+}
+
+// Enough blocks for the rows, at most one full wave of resident blocks (the kernels
+// grid-stride, so a partial second wave would only add a tail).
+template <class Kernel>
+int grid_for(Kernel kernel, int64_t rows, int lanes_log2) {
+  int device = 0, sms = 0, per_sm = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const int64_t rows_per_block = kThreads >> lanes_log2;
+  const int64_t wanted = (rows + rows_per_block - 1) / rows_per_block;
+  return static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * std::max(per_sm, 1)));
+}
+
+void check_rows(const char* function, const void* p, const char* name) {
+  if (p == nullptr) throw_invalid(std::string(function) + ": " + name + " is null");
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    throw_invalid(std::string(function) + ": " + name + " is not 16-byte aligned");
+  }
+}
+
+void check_hidden(const char* function, int64_t H) {
+  if (H < 8 || H % 8 != 0) {
+    throw_invalid(std::string(function) + ": H: expected a positive multiple of 8, got " +
+                  std::to_string(H));
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    gather_rows_kernel(const uint4* __restrict__ x, int64_t vecs,
+                       const int32_t* __restrict__ row_token,
+                       const int32_t* __restrict__ num_valid_rows, int64_t num_rows,
+                       int lanes_log2, uint4* __restrict__ xs) {
+  const int lanes = 1 << lanes_log2;
+  const int sub = threadIdx.x & (lanes - 1);
+  const int64_t rows_per_block = kThreads >> lanes_log2;
+  const int64_t n = min(num_rows, static_cast<int64_t>(*num_valid_rows));
+  for (int64_t r = blockIdx.x * rows_per_block + (threadIdx.x >> lanes_log2); r < n;
+       r += gridDim.x * rows_per_block) {
+    const int32_t token = __ldg(row_token + r);
+    if (token < 0) continue;
+    const uint4* src = x + token * vecs;
+    uint4* dst = xs + r * vecs;
+    for (int64_t v = sub; v < vecs; v += int64_t{lanes} * kGatherUnroll) {
+      uint4 buf[kGatherUnroll];
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) {
+        const int64_t i = v + int64_t{u} * lanes;
+        if (i < vecs) buf[u] = __ldg(src + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) {
+        const int64_t i = v + int64_t{u} * lanes;
+        if (i < vecs) dst[i] = buf[u];
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void fma_row(float (&acc)[8], float w, const uint4& v) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] = __fmaf_rn(w, f.x, acc[2 * i]);
+    acc[2 * i + 1] = __fmaf_rn(w, f.y, acc[2 * i + 1]);
+  }
+}
+
+template <bool kBf16Weights>
+__device__ __forceinline__ float load_weight(const void* weights, int64_t i) {
+  if constexpr (kBf16Weights) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[i]);
+  } else {
+    return __ldg(static_cast<const float*>(weights) + i);
+  }
+}
+
+template <bool kBf16Weights>
+__global__ void __launch_bounds__(kThreads)
+    combine_rows_kernel(const uint4* __restrict__ o, int64_t vecs,
+                        const int32_t* __restrict__ slot_row, const void* __restrict__ weights,
+                        int64_t T, int32_t k, int lanes_log2, uint4* __restrict__ y) {
+  const int lanes = 1 << lanes_log2;
+  const int sub = threadIdx.x & (lanes - 1);
+  const int64_t rows_per_block = kThreads >> lanes_log2;
+  for (int64_t t = blockIdx.x * rows_per_block + (threadIdx.x >> lanes_log2); t < T;
+       t += gridDim.x * rows_per_block) {
+    const int32_t* rows = slot_row + t * k;
+    for (int64_t v = sub; v < vecs; v += lanes) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (int j0 = 0; j0 < k; j0 += kCombineGroup) {
+        // Issue the group's loads together, then accumulate in slot order.
+        int32_t row[kCombineGroup];
+        float w[kCombineGroup];
+        uint4 val[kCombineGroup];
+#pragma unroll
+        for (int u = 0; u < kCombineGroup; ++u) {
+          row[u] = j0 + u < k ? __ldg(rows + j0 + u) : -1;
+          w[u] = row[u] >= 0 ? load_weight<kBf16Weights>(weights, t * k + j0 + u) : 0.0f;
+          if (row[u] >= 0) val[u] = __ldg(o + row[u] * vecs + v);
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineGroup; ++u) {
+          if (row[u] >= 0) fma_row(acc, w[u], val[u]);
+        }
+      }
+      uint4 out;
+      auto* h = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      y[t * vecs + v] = out;
+    }
+  }
+}
+
+}  // namespace
+
+void gather_rows(const __nv_bfloat16* x, int64_t H, const int32_t* row_token,
+                 const int32_t* num_valid_rows, int64_t num_rows, __nv_bfloat16* xs,
+                 cudaStream_t stream) {
+  constexpr const char* kFn = "gather_rows";
+  check_hidden(kFn, H);
+  if (num_rows < 0 || num_rows > INT32_MAX) {
+    throw_invalid(std::string(kFn) + ": num_rows: expected a value in [0, 2147483647], got " +
+                  std::to_string(num_rows));
+  }
+  if (num_rows == 0) return;
+  check_rows(kFn, x, "x");
+  check_rows(kFn, xs, "xs");
+  if (!row_token) throw_invalid(std::string(kFn) + ": row_token is null");
+  if (!num_valid_rows) throw_invalid(std::string(kFn) + ": num_valid_rows is null");
+  const int64_t vecs = H / 8;
+  const int lanes_log2 = lanes_log2_for((vecs + kGatherUnroll - 1) / kGatherUnroll);
+  const int grid = grid_for(gather_rows_kernel, num_rows, lanes_log2);
+  gather_rows_kernel<<<grid, kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(x), vecs, row_token, num_valid_rows, num_rows, lanes_log2,
+      reinterpret_cast<uint4*>(xs));
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void combine_rows(const __nv_bfloat16* o, int64_t H, const int32_t* slot_row,
+                  const void* topk_weights, bool weights_are_bf16, int64_t T, int64_t k,
+                  __nv_bfloat16* y, cudaStream_t stream) {
+  constexpr const char* kFn = "combine_rows";
+  check_hidden(kFn, H);
+  if (T < 0) throw_invalid(std::string(kFn) + ": T: expected >= 0, got " + std::to_string(T));
+  if (k < 1) throw_invalid(std::string(kFn) + ": k: expected >= 1, got " + std::to_string(k));
+  if (T > INT32_MAX / k) {
+    throw_invalid(std::string(kFn) + ": T*k = " + std::to_string(T) + "*" + std::to_string(k) +
+                  " slots, expected fewer than 2^31");
+  }
+  if (T == 0) return;
+  check_rows(kFn, y, "y");
+  if (!slot_row) throw_invalid(std::string(kFn) + ": slot_row is null");
+  if (!topk_weights) throw_invalid(std::string(kFn) + ": topk_weights is null");
+  // o may be null only if no slot is valid; that is not known on the host, so require it.
+  check_rows(kFn, o, "o");
+  if (reinterpret_cast<uintptr_t>(topk_weights) % (weights_are_bf16 ? 2 : 4) != 0) {
+    throw_invalid(std::string(kFn) + ": topk_weights is not aligned to its element size");
+  }
+  const int64_t vecs = H / 8;
+  const int lanes_log2 = lanes_log2_for(vecs);
+  const auto* src = reinterpret_cast<const uint4*>(o);
+  auto* dst = reinterpret_cast<uint4*>(y);
+  if (weights_are_bf16) {
+    const int grid = grid_for(combine_rows_kernel<true>, T, lanes_log2);
+    combine_rows_kernel<true><<<grid, kThreads, 0, stream>>>(
+        src, vecs, slot_row, topk_weights, T, static_cast<int32_t>(k), lanes_log2, dst);
+  } else {
+    const int grid = grid_for(combine_rows_kernel<false>, T, lanes_log2);
+    combine_rows_kernel<false><<<grid, kThreads, 0, stream>>>(
+        src, vecs, slot_row, topk_weights, T, static_cast<int32_t>(k), lanes_log2, dst);
+  }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace megamoe
