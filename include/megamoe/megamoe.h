@@ -130,6 +130,29 @@ MEGAMOE_API megamoe_status megamoe_routing_counts(const megamoe_tensor* topk_ids
                                                   megamoe_tensor* invalid_count,
                                                   void* cuda_stream);
 
+/* ---------------------------------------------------------------------------------------
+ * Fused layer on one GPU (sm_90a). Forward only in this version.
+ * Device tensors, contiguous: x [T, H] BFLOAT16; topk_ids [T, k] INT32/INT64 with ids in
+ * [-1, E) (other ids are counted as invalid and contribute nothing: check them before the
+ * call); topk_weights [T, k] FLOAT32 or BFLOAT16; w_gate_up [E, 2I, H] and w_down
+ * [E, H, I] BFLOAT16; y [T, H] BFLOAT16. H and I must be multiples of 128; 1 <= k <= 16.
+ * `workspace` is device memory of at least megamoe_fused_workspace_size() bytes, aligned
+ * to 256 bytes; its contents need no initialisation. No host sync; capturable in a CUDA
+ * graph; y is bitwise reproducible run to run.
+ * ------------------------------------------------------------------------------------- */
+
+MEGAMOE_API megamoe_status megamoe_fused_workspace_size(int64_t tokens, int64_t topk,
+                                                        int64_t hidden, int64_t intermediate,
+                                                        int64_t num_experts, size_t* bytes);
+
+MEGAMOE_API megamoe_status megamoe_fused_forward(const megamoe_tensor* x,
+                                                 const megamoe_tensor* topk_ids,
+                                                 const megamoe_tensor* topk_weights,
+                                                 const megamoe_tensor* w_gate_up,
+                                                 const megamoe_tensor* w_down,
+                                                 megamoe_tensor* y, void* workspace,
+                                                 size_t workspace_bytes, void* cuda_stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -82,6 +82,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.megamoe_cuda_device_count.argtypes = [ctypes.POINTER(ctypes.c_int32)]
     lib.megamoe_routing_counts.restype = ctypes.c_int
     lib.megamoe_routing_counts.argtypes = [_PTR, ctypes.c_int64, _PTR, _PTR, ctypes.c_void_p]
+    lib.megamoe_fused_workspace_size.restype = ctypes.c_int
+    lib.megamoe_fused_workspace_size.argtypes = [ctypes.c_int64] * 5 + [ctypes.POINTER(ctypes.c_size_t)]
+    lib.megamoe_fused_forward.restype = ctypes.c_int
+    lib.megamoe_fused_forward.argtypes = [_PTR] * 6 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 @functools.cache

@@ -46,7 +46,7 @@ def _draw_panel(ax, rows: list[dict]) -> None:
         bars = ax.bar(positions, heights, bar_width, label=label)
         ax.bar_label(bars, labels=[f"{h:.3g}" if h else "" for h in heights], fontsize=7)
     for i, row in enumerate(rows):
-        if row["status"] != "ok":
+        if row["status"].startswith("skipped"):
             ax.text(i, 0, " skipped", ha="center", va="bottom", rotation=90, fontsize=8)
     ax.set_xticks(range(len(rows)), [row["backend"] for row in rows])
 

@@ -16,6 +16,9 @@ BACKENDS = ("fused", "torch", "reference")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 # torch._grouped_mm needs 16-byte aligned rows.
 TORCH_DIM_MULTIPLE = 8
+FUSED_DIM_MULTIPLE = 128
+FUSED_MAX_TOPK = 16
+FUSED_MAX_EXPERTS = 1024
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -128,6 +131,8 @@ def _check_backend_limits(problem: Problem, x, backend, group):
     if backend == "reference" and group is not None and problem.world_size > 1:
         raise MegaMoEError("backend='reference' runs the global problem on one device and takes no "
                            "expert-parallel group; gather the experts' weights onto one rank")
+    if backend == "fused":
+        _check_fused_limits(problem, x, group)
     if backend == "torch" and x.is_cuda:
         if x.dtype != torch.bfloat16:
             raise MegaMoEError(f"backend='torch' on CUDA computes in bf16 (torch._grouped_mm): "
@@ -135,6 +140,26 @@ def _check_backend_limits(problem: Problem, x, backend, group):
         if H % TORCH_DIM_MULTIPLE or I % TORCH_DIM_MULTIPLE:
             raise MegaMoEError(f"backend='torch' on CUDA needs H and I to be multiples of "
                                f"{TORCH_DIM_MULTIPLE} (16-byte rows), got H={H}, I={I}")
+
+
+def _check_fused_limits(problem: Problem, x, group):
+    H, I = problem.hidden, problem.intermediate
+    if group is not None and problem.world_size > 1:
+        raise NotBuiltError("backend='fused' with an expert-parallel group is not built yet; "
+                            "use backend='torch' for expert parallelism")
+    if not x.is_cuda:
+        raise MegaMoEError(f"backend='fused' runs on CUDA tensors, got x on {x.device}")
+    if x.dtype != torch.bfloat16:
+        raise MegaMoEError(f"backend='fused' computes in bf16: expected x and the weights in "
+                           f"torch.bfloat16, got {x.dtype}")
+    if H % FUSED_DIM_MULTIPLE or I % FUSED_DIM_MULTIPLE:
+        raise MegaMoEError(f"backend='fused' needs H and I to be multiples of {FUSED_DIM_MULTIPLE}, "
+                           f"got H={H}, I={I}")
+    if problem.topk > FUSED_MAX_TOPK:
+        raise MegaMoEError(f"backend='fused' takes k <= {FUSED_MAX_TOPK}, got k={problem.topk}")
+    if problem.num_experts > FUSED_MAX_EXPERTS:
+        raise MegaMoEError(f"backend='fused' takes at most {FUSED_MAX_EXPERTS} experts, "
+                           f"got {problem.num_experts}")
 
 
 def should_check_ids(check_ids) -> bool:

@@ -307,9 +307,23 @@ def time_forward_backward(call, weights, input_sets, iterations: int, clock) -> 
     return forward_ms, backward_ms
 
 
-def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, clock):
+def time_forward(call, weights, input_sets, iterations: int, clock) -> tuple[list, list]:
+    """Per-iteration forward times (ms) without autograd, and no backward times."""
+    marks = []
+    with torch.no_grad():
+        for i in range(iterations):
+            start = clock.mark()
+            call(input_sets[i % len(input_sets)])
+            marks.append((start, clock.mark()))
+    clock.wait()
+    return [clock.elapsed_ms(s, e) for s, e in marks], []
+
+
+def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, clock,
+                      forward_only: bool = False):
     """(fwd median ms, bwd median ms) over args.iters timed iterations; with EP, the max
-    over ranks of each rank's medians (the slowest rank sets the step time)."""
+    over ranks of each rank's medians (the slowest rank sets the step time). With
+    forward_only, the forward runs under torch.no_grad() and bwd is None."""
     w_gate_up, w_down = weights
 
     def call(inputs: InputSet):
@@ -319,14 +333,15 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
                            group=run.group, precision=args.precision, backend=backend,
                            check_ids=False)
 
-    time_forward_backward(call, weights, input_sets, args.warmup, clock)
+    timer = time_forward if forward_only else time_forward_backward
+    timer(call, weights, input_sets, args.warmup, clock)
     if run.group is not None:
         torch.distributed.barrier()
-    forward_ms, backward_ms = time_forward_backward(call, weights, input_sets, args.iters, clock)
-    medians = [statistics.median(forward_ms), statistics.median(backward_ms)]
+    forward_ms, backward_ms = timer(call, weights, input_sets, args.iters, clock)
+    medians = [statistics.median(forward_ms), statistics.median(backward_ms or [0.0])]
     if run.group is not None:
         medians = _max_over_ranks(medians, run)
-    return medians[0], medians[1]
+    return medians[0], (None if forward_only else medians[1])
 
 
 def _max_over_ranks(values: list[float], run: RunContext) -> list[float]:
@@ -347,19 +362,23 @@ def make_row(shape: MoEShape, num_tokens: int, backend: str, args, dtype) -> dic
         "fwd_ms": None, "bwd_ms": None, "fwd_bwd_ms": None, "full_layer_ms": None,
         "fwd_tflops": None, "pct_of_peak": None,
         "speedup_fwd_vs_torch": None, "speedup_full_vs_torch": None,
-        "status": "ok",
+        "status": "ok", "note": None,
     }
 
 
-def fill_timings(row: dict, shape: MoEShape, fwd_ms: float, bwd_ms: float, peak_tflops) -> None:
+def fill_timings(row: dict, shape: MoEShape, fwd_ms: float, bwd_ms: float | None,
+                 peak_tflops) -> None:
+    """bwd_ms None: a backend with a forward only (its backward figures stay None)."""
     row["fwd_ms"] = fwd_ms
+    row["fwd_tflops"] = shape.forward_flops(row["tokens_per_rank"]) / (fwd_ms * 1e-3) / 1e12
+    if peak_tflops:
+        row["pct_of_peak"] = 100 * row["fwd_tflops"] / peak_tflops
+    if bwd_ms is None:
+        return
     row["bwd_ms"] = bwd_ms
     row["fwd_bwd_ms"] = fwd_ms + bwd_ms
     # Activation checkpointing re-runs the forward during the backward pass.
     row["full_layer_ms"] = 2 * fwd_ms + bwd_ms
-    row["fwd_tflops"] = shape.forward_flops(row["tokens_per_rank"]) / (fwd_ms * 1e-3) / 1e12
-    if peak_tflops:
-        row["pct_of_peak"] = 100 * row["fwd_tflops"] / peak_tflops
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -370,10 +389,11 @@ def add_speedups(rows: list[dict]) -> None:
     torch_rows = {config(r): r for r in rows if r["backend"] == "torch" and r["status"] == "ok"}
     for row in rows:
         baseline = torch_rows.get(config(row))
-        if baseline is None or row["status"] != "ok":
+        if baseline is None or row["fwd_ms"] is None:
             continue
         row["speedup_fwd_vs_torch"] = baseline["fwd_ms"] / row["fwd_ms"]
-        row["speedup_full_vs_torch"] = baseline["full_layer_ms"] / row["full_layer_ms"]
+        if row["full_layer_ms"] is not None:
+            row["speedup_full_vs_torch"] = baseline["full_layer_ms"] / row["full_layer_ms"]
 
 
 def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, clock,
@@ -398,10 +418,19 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
                 fwd_ms, bwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock)
                 fill_timings(row, shape, fwd_ms, bwd_ms, peak_tflops)
             except NotImplementedError as error:  # megamoe.NotBuiltError included
-                row["status"] = f"skipped: {type(error).__name__}: {error}"
+                # A backend whose backward is not built yet still has a forward to time.
+                try:
+                    fwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
+                                               forward_only=True)[0]
+                    fill_timings(row, shape, fwd_ms, None, peak_tflops)
+                    row["status"] = "forward only"
+                    row["backward_mode"] = None
+                    row["note"] = f"{type(error).__name__}: {error}"
+                except NotImplementedError as forward_error:
+                    row["status"] = f"skipped: {type(forward_error).__name__}: {forward_error}"
         progress(run, f"{label}: " + (
-            f"fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms" if row["status"] == "ok"
-            else row["status"]))
+            row["status"] if row["fwd_ms"] is None else
+            f"fwd {row['fwd_ms']:.3f} ms" + ("" if row["bwd_ms"] is None else f", bwd {row['bwd_ms']:.3f} ms")))
         rows.append(row)
         _free_gradients(weights, input_sets)
     del weights, input_sets

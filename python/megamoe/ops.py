@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate, torch_backend
+from ._fused_op import fused_moe_forward
 from ._reference_op import reference_moe
 from .errors import MegaMoEError, NotBuiltError
 
@@ -33,10 +34,12 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     Returns y [T, H] in x's dtype. Gradients flow to x, topk_weights, w_gate_up, w_down.
     """
     _validate.check_backend_and_precision(backend, precision)
-    if backend == "fused":
-        raise NotBuiltError("backend='fused' is not built yet in this version of megamoe; "
-                            "use backend='torch' (baseline) or backend='reference'")
     problem = _validate.check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend)
+    if backend == "fused" and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, topk_weights, w_gate_up, w_down)):
+        raise NotBuiltError("backend='fused' has a forward only in this version: its backward is "
+                            "not built yet. Run it under torch.no_grad() (inference), or use "
+                            "backend='torch' for training")
     if buffer is not None:
         raise NotBuiltError("buffer= belongs to the fused expert-parallel backend, which is not "
                             "built yet; the 'torch' and 'reference' backends take no buffer")
@@ -46,4 +49,6 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         return torch_backend.moe(x, topk_ids, topk_weights, w_gate_up, w_down, group)
     if backend == "reference":
         return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
+    if backend == "fused":
+        return fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down)
     raise MegaMoEError(f"unhandled backend {backend!r}")  # unreachable: validated above

@@ -65,12 +65,10 @@ def test_backend_and_precision_names():
         megamoe.moe(**_args(), precision="fp8", backend="torch")
 
 
-def test_fused_is_not_built_yet():
+def test_fused_needs_cuda_tensors():
     p = make_problem(4, 128, 128, 4, 2, seed=2)
     args = {n: p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")}
-    with pytest.raises(NotBuiltError, match="not built yet"):
-        megamoe.moe(**args, backend="fused")
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(MegaMoEError, match="backend='fused' runs on CUDA tensors"):
         megamoe.moe(**args, backend="fused")
 
 

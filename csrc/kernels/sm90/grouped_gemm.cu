@@ -1,0 +1,118 @@
+// Host side of the grouped GEMM: tensor maps, launch configuration, argument checks.
+#include "kernels/sm90/grouped_gemm.h"
+
+#include <cudaTypedefs.h>
+
+#include <mutex>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/sm90/grouped_gemm.cuh"
+
+namespace megamoe::sm90 {
+namespace {
+
+static_assert(kGroupedGemmBlockM == kBlockM);
+
+// The driver's tensor-map encoder, found through the runtime so the library does not link
+// libcuda itself.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  static cudaError_t err = cudaSuccess;
+  std::call_once(once, [] {
+    cudaDriverEntryPointQueryResult found{};
+    void* ptr = nullptr;
+    err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                           cudaEnableDefault, &found);
+    if (err == cudaSuccess && found == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    }
+  });
+  MEGAMOE_CUDA_CHECK(err);
+  if (fn == nullptr) {
+    throw Error(MEGAMOE_ERROR_CUDA, "the CUDA driver has no cuTensorMapEncodeTiled");
+  }
+  return fn;
+}
+
+// Row-major [rows, cols] bf16 matrix read in boxes of box_rows x 64 with 128-byte swizzle.
+CUtensorMap make_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(__nv_bfloat16)};
+  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult res = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    throw Error(MEGAMOE_ERROR_CUDA, "cuTensorMapEncodeTiled failed with CUresult " +
+                                        std::to_string(static_cast<int>(res)) + " for a [" +
+                                        std::to_string(rows) + ", " + std::to_string(cols) +
+                                        "] bf16 matrix");
+  }
+  return map;
+}
+
+void check_args(const GroupedGemmArgs& a) {
+  if (a.k % kBlockK != 0) throw_invalid("grouped GEMM: K must be a multiple of 64");
+  if (reinterpret_cast<uintptr_t>(a.a) % 16 || reinterpret_cast<uintptr_t>(a.b) % 16) {
+    throw_invalid("grouped GEMM: A and B must be 16-byte aligned");
+  }
+}
+
+template <Epilogue kEpilogue>
+void launch(const GroupedGemmArgs& a, int n_tiles, int box_rows_b, int64_t half_n,
+            cudaStream_t stream) {
+  check_args(a);
+  if (a.a_rows == 0) return;
+  const CUtensorMap map_a = make_tensor_map(a.a, a.a_rows, a.k, kBlockM);
+  const CUtensorMap map_b =
+      make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
+  GroupedGemmParams p{};
+  p.expert_offsets = a.expert_offsets;
+  p.tile_offsets = a.tile_offsets;
+  p.num_experts = static_cast<int32_t>(a.num_experts);
+  p.k = static_cast<int32_t>(a.k);
+  p.b_rows_per_expert = static_cast<int32_t>(a.b_rows_per_expert);
+  p.n_tiles = n_tiles;
+  p.half_n = static_cast<int32_t>(half_n);
+  p.c = a.c;
+  p.ldc = a.ldc;
+
+  int device = 0, sms = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // The host does not know the counts: bound the M-tiles by one partial tile per expert.
+  const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
+  const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
+  const size_t smem = sizeof(GemmSharedStorage) + 1024;  // + alignment slack
+  auto* kernel = &grouped_gemm_kernel<kEpilogue>;
+  MEGAMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, p);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream) {
+  if (intermediate % (kBlockN / 2) != 0) {
+    throw_invalid("grouped GEMM (SwiGLU): I must be a multiple of 64");
+  }
+  launch<Epilogue::kSwiGLU>(args, static_cast<int>(intermediate / (kBlockN / 2)), kBlockN / 2,
+                            intermediate, stream);
+}
+
+void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
+  if (args.b_rows_per_expert % kBlockN != 0) {
+    throw_invalid("grouped GEMM: N must be a multiple of 128");
+  }
+  launch<Epilogue::kStore>(args, static_cast<int>(args.b_rows_per_expert / kBlockN), kBlockN, 0,
+                           stream);
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,181 @@
+// Grouped GEMM over ragged expert groups, persistent and warp-specialized (sm_90a).
+//
+//   C[r, n] = sum_k A[r, k] * B_e[n, k]      for the rows r of expert e
+//
+// A: [rows, K] bf16, rows sorted by expert (expert_offsets); B: [E * b_rows_per_expert, K]
+// bf16, both K-major, read by TMA with 128-byte swizzle into a ring of shared-memory
+// stages. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2 each own
+// 64 rows of the 128-row tile and run wgmma m64n128k16 into fp32 registers. Tiles are
+// (expert M-tile, N-tile) pairs enumerated from tile_offsets, handed out round-robin over a
+// persistent grid; producer and consumers walk the same sequence.
+//
+// Epilogues (template):
+//   kSwiGLU: B tile rows [0, 64) are gate rows n0.., rows [64, 128) the up rows I+n0..;
+//            C[r, n0 + c] = silu(gate) * up for c < 64 (output width I).
+//   kStore:  C[r, n0 + c] = acc for c < 128.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/sm90/primitives.cuh"
+
+namespace megamoe::sm90 {
+
+enum class Epilogue { kStore, kSwiGLU };
+
+struct GroupedGemmParams {
+  const int32_t* expert_offsets;  // [E+1] first row of each expert; [E] = rows in all
+  const int32_t* tile_offsets;    // [E+1] first M-tile of each expert; [E] = all M-tiles
+  int32_t num_experts;
+  int32_t k;                      // reduction length (multiple of 64)
+  int32_t b_rows_per_expert;      // rows of B per expert (2I for L1, H for L2)
+  int32_t n_tiles;                // output tiles along N
+  int32_t half_n;                 // kSwiGLU: I, offset of the up rows within an expert
+  __nv_bfloat16* c;               // [rows, ldc]
+  int64_t ldc;
+};
+
+constexpr int kBlockM = 128;
+constexpr int kBlockN = 128;
+constexpr int kBlockK = 64;
+constexpr int kStages = 5;
+constexpr int kThreads = 384;
+constexpr int kTileBytesA = kBlockM * kBlockK * 2;
+constexpr int kTileBytesB = kBlockN * kBlockK * 2;
+
+struct alignas(1024) GemmSharedStorage {
+  __nv_bfloat16 a[kStages][kBlockM * kBlockK];
+  __nv_bfloat16 b[kStages][kBlockN * kBlockK];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+
+// The tile's expert, first row and number of valid rows.
+struct TileCoords {
+  int expert, row0, rows, n0;
+};
+
+__device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, int tile) {
+  const int m_tile = tile / p.n_tiles;
+  TileCoords t;
+  t.n0 = (tile % p.n_tiles);
+  // Last expert whose first M-tile is <= m_tile (experts with no tiles are skipped).
+  int lo = 0, hi = p.num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(&p.tile_offsets[mid]) <= m_tile) lo = mid; else hi = mid - 1;
+  }
+  t.expert = lo;
+  t.row0 = __ldg(&p.expert_offsets[lo]) + (m_tile - __ldg(&p.tile_offsets[lo])) * kBlockM;
+  t.rows = min(kBlockM, __ldg(&p.expert_offsets[lo + 1]) - t.row0);
+  return t;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+template <Epilogue kEpilogue>
+__device__ __forceinline__ void store_tile(const GroupedGemmParams& p, const TileCoords& t,
+                                           const float (&acc)[64], int warpgroup) {
+  const int thread = threadIdx.x % 128;
+  const int row_in_tile = warpgroup * 64 + (thread / 32) * 16 + (thread % 32) / 4;
+  const int col = (thread % 4) * 2;
+  constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  const int out_col0 = t.n0 * kOutCols;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row_in_tile + half * 8;
+    if (r >= t.rows) continue;
+    __nv_bfloat16* out = p.c + int64_t(t.row0 + r) * p.ldc + out_col0 + col;
+#pragma unroll
+    for (int q = 0; q < kOutCols / 8; ++q) {
+      float v0 = acc[q * 4 + half * 2], v1 = acc[q * 4 + half * 2 + 1];
+      if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+        const float u0 = acc[(q + 8) * 4 + half * 2], u1 = acc[(q + 8) * 4 + half * 2 + 1];
+        v0 = silu(v0) * u0;
+        v1 = silu(v1) * u1;
+      }
+      *reinterpret_cast<__nv_bfloat162*>(out + q * 8) = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+}
+
+template <Epilogue kEpilogue>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b, GroupedGemmParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<GemmSharedStorage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&smem.full[s], 1);
+      mbarrier_init(&smem.empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int num_tiles = __ldg(&p.tile_offsets[p.num_experts]) * p.n_tiles;
+  const int k_blocks = p.k / kBlockK;
+
+  if (warpgroup == 0) {
+    if (threadIdx.x != 0) return;
+    prefetch_tensor_map(&map_a);
+    prefetch_tensor_map(&map_b);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const TileCoords t = locate_tile(p, tile);
+      const int b_row = t.expert * p.b_rows_per_expert;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbarrier_wait(&smem.empty[stage], phase ^ 1);
+        mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + kTileBytesB);
+        tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.row0);
+        if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+          const int n = t.n0 * (kBlockN / 2);
+          tma_load_2d(smem.b[stage], &map_b, &smem.full[stage], kb * kBlockK, b_row + n);
+          tma_load_2d(smem.b[stage] + (kBlockN / 2) * kBlockK, &map_b, &smem.full[stage],
+                      kb * kBlockK, b_row + p.half_n + n);
+        } else {
+          tma_load_2d(smem.b[stage], &map_b, &smem.full[stage], kb * kBlockK,
+                      b_row + t.n0 * kBlockN);
+        }
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  const int consumer = warpgroup - 1;
+  float acc[64];
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileCoords t = locate_tile(p, tile);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbarrier_wait(&smem.full[stage], phase);
+      const __nv_bfloat16* a_tile = smem.a[stage] + consumer * 64 * kBlockK;
+      const uint64_t desc_a = smem_desc_k_major_sw128(a_tile);
+      const uint64_t desc_b = smem_desc_k_major_sw128(smem.b[stage]);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        // 16 bf16 along K are 32 bytes: 2 in the descriptor's 16-byte address units.
+        wgmma_m64n128k16_bf16(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+      if (threadIdx.x % 128 == 0) mbarrier_arrive(&smem.empty[stage]);
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    }
+    store_tile<kEpilogue>(p, t, acc, consumer);
+  }
+}
+
+}  // namespace megamoe::sm90

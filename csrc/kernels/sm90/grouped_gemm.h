@@ -1,0 +1,33 @@
+// Host launcher of the sm_90a grouped GEMM (grouped_gemm.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace megamoe::sm90 {
+
+struct GroupedGemmArgs {
+  const __nv_bfloat16* a;          // [a_rows, k] rows sorted by expert
+  int64_t a_rows;                  // rows allocated (the valid ones are per expert_offsets)
+  const __nv_bfloat16* b;          // [num_experts * b_rows_per_expert, k]
+  int64_t b_rows_per_expert;
+  int64_t k;                       // multiple of 64
+  int64_t num_experts;
+  const int32_t* expert_offsets;   // device [E+1]
+  const int32_t* tile_offsets;     // device [E+1], M-tiles of 128 rows
+  __nv_bfloat16* c;                // [a_rows, ldc]
+  int64_t ldc;
+};
+
+// L1: c[r, :I] = silu(a_r . gate_e) * (a_r . up_e); b = w_gate_up viewed as [E*2I, H].
+void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream);
+
+// L2: c[r, :N] = a_r . b_e, N = b_rows_per_expert; b = w_down viewed as [E*H, I].
+void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// Rows of an M-tile: expert groups are padded to a multiple of this for tile_offsets.
+constexpr int kGroupedGemmBlockM = 128;
+
+}  // namespace megamoe::sm90
