@@ -64,9 +64,12 @@ void check_args(const GroupedGemmArgs& a) {
   }
 }
 
-template <Epilogue kEpilogue>
-void launch(const GroupedGemmArgs& a, int n_tiles, int box_rows_b, int64_t half_n,
-            cudaStream_t stream) {
+template <Epilogue kEpilogue, int kBlockN>
+void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
+  constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  constexpr int box_rows_b = kOutCols;
+  const int64_t out_width = kEpilogue == Epilogue::kSwiGLU ? half_n : a.b_rows_per_expert;
+  const int n_tiles = static_cast<int>(out_width / kOutCols);
   check_args(a);
   if (a.a_rows == 0) return;
   const CUtensorMap map_a = make_tensor_map(a.a, a.a_rows, a.k, kBlockM);
@@ -89,8 +92,8 @@ void launch(const GroupedGemmArgs& a, int n_tiles, int box_rows_b, int64_t half_
   // The host does not know the counts: bound the M-tiles by one partial tile per expert.
   const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
-  const size_t smem = sizeof(GemmSharedStorage) + 1024;  // + alignment slack
-  auto* kernel = &grouped_gemm_kernel<kEpilogue>;
+  const size_t smem = sizeof(GemmSharedStorage<kBlockN>) + 1024;  // + alignment slack
+  auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN>;
   MEGAMOE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, p);
@@ -99,20 +102,28 @@ void launch(const GroupedGemmArgs& a, int n_tiles, int box_rows_b, int64_t half_
 
 }  // namespace
 
+// Wider tiles halve the shared-memory traffic per MMA; 128-wide ones cover the other sizes.
+#ifndef MEGAMOE_GEMM_MAX_BLOCK_N
+#define MEGAMOE_GEMM_MAX_BLOCK_N 256
+#endif
+
 void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream) {
-  if (intermediate % (kBlockN / 2) != 0) {
-    throw_invalid("grouped GEMM (SwiGLU): I must be a multiple of 64");
+  if (intermediate % 64 != 0) throw_invalid("grouped GEMM (SwiGLU): I must be a multiple of 64");
+  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && intermediate % 128 == 0) {
+    launch<Epilogue::kSwiGLU, 256>(args, intermediate, stream);
+  } else {
+    launch<Epilogue::kSwiGLU, 128>(args, intermediate, stream);
   }
-  launch<Epilogue::kSwiGLU>(args, static_cast<int>(intermediate / (kBlockN / 2)), kBlockN / 2,
-                            intermediate, stream);
 }
 
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
-  if (args.b_rows_per_expert % kBlockN != 0) {
-    throw_invalid("grouped GEMM: N must be a multiple of 128");
+  const int64_t n = args.b_rows_per_expert;
+  if (n % 128 != 0) throw_invalid("grouped GEMM: N must be a multiple of 128");
+  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && n % 256 == 0) {
+    launch<Epilogue::kStore, 256>(args, 0, stream);
+  } else {
+    launch<Epilogue::kStore, 128>(args, 0, stream);
   }
-  launch<Epilogue::kStore>(args, static_cast<int>(args.b_rows_per_expert / kBlockN), kBlockN, 0,
-                           stream);
 }
 
 }  // namespace megamoe::sm90

@@ -5,14 +5,14 @@
 // A: [rows, K] bf16, rows sorted by expert (expert_offsets); B: [E * b_rows_per_expert, K]
 // bf16, both K-major, read by TMA with 128-byte swizzle into a ring of shared-memory
 // stages. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2 each own
-// 64 rows of the 128-row tile and run wgmma m64n128k16 into fp32 registers. Tiles are
+// 64 rows of the 128-row tile and run wgmma m64nNk16 (N = 128 or 256) into fp32 registers. Tiles are
 // (expert M-tile, N-tile) pairs enumerated from tile_offsets, handed out round-robin over a
 // persistent grid; producer and consumers walk the same sequence.
 //
 // Epilogues (template):
-//   kSwiGLU: B tile rows [0, 64) are gate rows n0.., rows [64, 128) the up rows I+n0..;
-//            C[r, n0 + c] = silu(gate) * up for c < 64 (output width I).
-//   kStore:  C[r, n0 + c] = acc for c < 128.
+//   kSwiGLU: B tile rows [0, N/2) are gate rows n0.., rows [N/2, N) the up rows I+n0..;
+//            C[r, n0 + c] = silu(gate) * up for c < N/2 (output width I).
+//   kStore:  C[r, n0 + c] = acc for c < N.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,29 +36,38 @@ struct GroupedGemmParams {
 };
 
 constexpr int kBlockM = 128;
-constexpr int kBlockN = 128;
 constexpr int kBlockK = 64;
-constexpr int kStages = 5;
 constexpr int kThreads = 384;
 constexpr int kTileBytesA = kBlockM * kBlockK * 2;
-constexpr int kTileBytesB = kBlockN * kBlockK * 2;
+constexpr int kSharedBudget = 200 * 1024;  // of the 227 KB a block may have
 
+// A tile of 128 rows x kBlockN columns of output (kSwiGLU: kBlockN/2 gate + kBlockN/2 up).
+template <int kBlockN>
+struct TileConfig {
+  static_assert(kBlockN == 128 || kBlockN == 256);
+  static constexpr int kTileBytesB = kBlockN * kBlockK * 2;
+  static constexpr int kStages = kSharedBudget / (kTileBytesA + kTileBytesB);
+  static constexpr int kAccumulators = kBlockN / 2;  // per consumer thread (m64nNk16)
+};
+
+template <int kBlockN>
 struct alignas(1024) GemmSharedStorage {
+  static constexpr int kStages = TileConfig<kBlockN>::kStages;
   __nv_bfloat16 a[kStages][kBlockM * kBlockK];
   __nv_bfloat16 b[kStages][kBlockN * kBlockK];
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
 
-// The tile's expert, first row and number of valid rows.
+// The tile's expert, first row, number of valid rows and N-tile index.
 struct TileCoords {
-  int expert, row0, rows, n0;
+  int expert, row0, rows, n_tile;
 };
 
 __device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, int tile) {
   const int m_tile = tile / p.n_tiles;
   TileCoords t;
-  t.n0 = (tile % p.n_tiles);
+  t.n_tile = tile % p.n_tiles;
   // Last expert whose first M-tile is <= m_tile (experts with no tiles are skipped).
   int lo = 0, hi = p.num_experts - 1;
   while (lo < hi) {
@@ -73,38 +82,41 @@ __device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, in
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
-template <Epilogue kEpilogue>
+// Accumulator fragment of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
+// columns 8q + 2(l%4) (+1) in acc[4q + {0,1}] (row) and acc[4q + {2,3}] (row + 8).
+template <Epilogue kEpilogue, int kBlockN>
 __device__ __forceinline__ void store_tile(const GroupedGemmParams& p, const TileCoords& t,
-                                           const float (&acc)[64], int warpgroup) {
+                                           const float (&acc)[kBlockN / 2], int warpgroup) {
   const int thread = threadIdx.x % 128;
   const int row_in_tile = warpgroup * 64 + (thread / 32) * 16 + (thread % 32) / 4;
   const int col = (thread % 4) * 2;
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
-  const int out_col0 = t.n0 * kOutCols;
+  constexpr int kUpChunk = kBlockN / 2 / 8;  // first 8-column chunk of the up half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = row_in_tile + half * 8;
     if (r >= t.rows) continue;
-    __nv_bfloat16* out = p.c + int64_t(t.row0 + r) * p.ldc + out_col0 + col;
+    __nv_bfloat16* out = p.c + int64_t(t.row0 + r) * p.ldc + t.n_tile * kOutCols + col;
 #pragma unroll
     for (int q = 0; q < kOutCols / 8; ++q) {
       float v0 = acc[q * 4 + half * 2], v1 = acc[q * 4 + half * 2 + 1];
       if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-        const float u0 = acc[(q + 8) * 4 + half * 2], u1 = acc[(q + 8) * 4 + half * 2 + 1];
-        v0 = silu(v0) * u0;
-        v1 = silu(v1) * u1;
+        v0 = silu(v0) * acc[(q + kUpChunk) * 4 + half * 2];
+        v1 = silu(v1) * acc[(q + kUpChunk) * 4 + half * 2 + 1];
       }
       *reinterpret_cast<__nv_bfloat162*>(out + q * 8) = __floats2bfloat162_rn(v0, v1);
     }
   }
 }
 
-template <Epilogue kEpilogue>
+template <Epilogue kEpilogue, int kBlockN>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b, GroupedGemmParams p) {
+  using Config = TileConfig<kBlockN>;
+  constexpr int kStages = Config::kStages;
   extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<GemmSharedStorage*>(
+  auto& smem = *reinterpret_cast<GemmSharedStorage<kBlockN>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int warpgroup = threadIdx.x / 128;
 
@@ -121,6 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int k_blocks = p.k / kBlockK;
 
   if (warpgroup == 0) {
+    // The producer needs few registers: give them to the consumers' accumulators.
+    setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
     prefetch_tensor_map(&map_a);
     prefetch_tensor_map(&map_b);
@@ -131,16 +145,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int b_row = t.expert * p.b_rows_per_expert;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbarrier_wait(&smem.empty[stage], phase ^ 1);
-        mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + kTileBytesB);
+        mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + Config::kTileBytesB);
         tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.row0);
         if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-          const int n = t.n0 * (kBlockN / 2);
+          const int n = t.n_tile * (kBlockN / 2);
           tma_load_2d(smem.b[stage], &map_b, &smem.full[stage], kb * kBlockK, b_row + n);
           tma_load_2d(smem.b[stage] + (kBlockN / 2) * kBlockK, &map_b, &smem.full[stage],
                       kb * kBlockK, b_row + p.half_n + n);
         } else {
           tma_load_2d(smem.b[stage], &map_b, &smem.full[stage], kb * kBlockK,
-                      b_row + t.n0 * kBlockN);
+                      b_row + t.n_tile * kBlockN);
         }
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
@@ -148,33 +162,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
+  setmaxnreg_inc<232>();
   const int consumer = warpgroup - 1;
-  float acc[64];
+  const bool releases = threadIdx.x % 128 == 0;
+  float acc[Config::kAccumulators];
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoords t = locate_tile(p, tile);
+    int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait(&smem.full[stage], phase);
-      const __nv_bfloat16* a_tile = smem.a[stage] + consumer * 64 * kBlockK;
-      const uint64_t desc_a = smem_desc_k_major_sw128(a_tile);
+      const uint64_t desc_a = smem_desc_k_major_sw128(smem.a[stage] + consumer * 64 * kBlockK);
       const uint64_t desc_b = smem_desc_k_major_sw128(smem.b[stage]);
 #pragma unroll
-      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
+      for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         // 16 bf16 along K are 32 bytes: 2 in the descriptor's 16-byte address units.
-        wgmma_m64n128k16_bf16(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+        wgmma_bf16<kBlockN>(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
       }
       wgmma_commit();
-      wgmma_wait<0>();
+      // Keep this k-block's MMAs in flight; the previous block's are done, so its stage
+      // can go back to the producer.
+      wgmma_wait<1>();
 #pragma unroll
-      for (int i = 0; i < 64; ++i) fence_operand(acc[i]);
-      if (threadIdx.x % 128 == 0) mbarrier_arrive(&smem.empty[stage]);
+      for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
+      if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
+      previous = stage;
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     }
-    store_tile<kEpilogue>(p, t, acc, consumer);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
+    if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
+    store_tile<kEpilogue, kBlockN>(p, t, acc, consumer);
   }
 }
 
