@@ -2,6 +2,7 @@
 // L2 -> deterministic top-k combine, all on the caller's stream.
 #include <cuda_bf16.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "core/error.h"
@@ -21,6 +22,19 @@ constexpr int64_t kMaxTopk = 16;
 constexpr int64_t kDimMultiple = 128;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+// For A/B measurements of the in-GEMM gather against the separate gather kernel.
+bool gather_kernel_requested() {
+  static const bool requested = [] {
+    const char* v = std::getenv("MEGAMOE_GATHER_KERNEL");
+    return v != nullptr && v[0] == '1';
+  }();
+  return requested;
+}
+
+namespace {
 
 void check_sizes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E) {
   if (T < 0) throw_invalid("tokens: expected >= 0, got " + std::to_string(T));
@@ -148,11 +162,18 @@ MEGAMOE_API megamoe_status megamoe_fused_forward(const megamoe_tensor* x,
     const int64_t slots = s.T * s.k;
     auto* rows = piece<__nv_bfloat16>(workspace, w.rows);
     auto* activation = piece<__nv_bfloat16>(workspace, w.activation);
-    gather_rows(static_cast<const __nv_bfloat16*>(x->data), s.H, plan.row_token,
-                plan.expert_offsets + s.E, slots, rows, stream);
+    // L1 gathers its token rows itself (cp.async by the producer warpgroup), so no
+    // permuted copy of x is written; MEGAMOE_GATHER_KERNEL=1 restores the separate gather.
+    const bool gather_in_gemm = !fused::gather_kernel_requested();
+    if (!gather_in_gemm) {
+      gather_rows(static_cast<const __nv_bfloat16*>(x->data), s.H, plan.row_token,
+                  plan.expert_offsets + s.E, slots, rows, stream);
+    }
 
     sm90::GroupedGemmArgs l1{};
-    l1.a = rows;
+    l1.a = gather_in_gemm ? static_cast<const __nv_bfloat16*>(x->data) : rows;
+    l1.a_row_index = gather_in_gemm ? plan.row_token : nullptr;
+    l1.a_source_rows = s.T;
     l1.a_rows = slots;
     l1.b = static_cast<const __nv_bfloat16*>(w_gate_up->data);
     l1.b_rows_per_expert = 2 * s.I;
@@ -167,6 +188,7 @@ MEGAMOE_API megamoe_status megamoe_fused_forward(const megamoe_tensor* x,
     // The gathered rows are dead after L1: the L2 output reuses their memory.
     sm90::GroupedGemmArgs l2 = l1;
     l2.a = activation;
+    l2.a_row_index = nullptr;
     l2.b = static_cast<const __nv_bfloat16*>(w_down->data);
     l2.b_rows_per_expert = s.H;
     l2.k = s.I;

@@ -17,6 +17,9 @@ struct ForwardWorkspace {
   size_t total;
 };
 
+// MEGAMOE_GATHER_KERNEL=1: gather x rows with a separate kernel instead of inside L1.
+bool gather_kernel_requested();
+
 ForwardWorkspace forward_workspace(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E);
 
 }  // namespace megamoe::fused

@@ -64,7 +64,7 @@ void check_args(const GroupedGemmArgs& a) {
   }
 }
 
-template <Epilogue kEpilogue, int kBlockN>
+template <Epilogue kEpilogue, int kBlockN, bool kGatherA>
 void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   constexpr int box_rows_b = kOutCols;
@@ -72,7 +72,9 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   const int n_tiles = static_cast<int>(out_width / kOutCols);
   check_args(a);
   if (a.a_rows == 0) return;
-  const CUtensorMap map_a = make_tensor_map(a.a, a.a_rows, a.k, kBlockM);
+  // A gathered by cp.async needs no tensor map; pass a valid one over the source anyway.
+  const CUtensorMap map_a =
+      make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
   const CUtensorMap map_b =
       make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
   GroupedGemmParams p{};
@@ -85,6 +87,8 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   p.half_n = static_cast<int32_t>(half_n);
   p.c = a.c;
   p.ldc = a.ldc;
+  p.a_source = a.a;
+  p.a_row_index = a.a_row_index;
 
   int device = 0, sms = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -93,7 +97,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   const size_t smem = sizeof(GemmSharedStorage<kBlockN>) + 1024;  // + alignment slack
-  auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN>;
+  auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA>;
   MEGAMOE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, p);
@@ -109,20 +113,25 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
 
 void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream) {
   if (intermediate % 64 != 0) throw_invalid("grouped GEMM (SwiGLU): I must be a multiple of 64");
-  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && intermediate % 128 == 0) {
-    launch<Epilogue::kSwiGLU, 256>(args, intermediate, stream);
+  const bool wide = MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && intermediate % 128 == 0;
+  if (args.a_row_index != nullptr) {
+    if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
+    wide ? launch<Epilogue::kSwiGLU, 256, true>(args, intermediate, stream)
+         : launch<Epilogue::kSwiGLU, 128, true>(args, intermediate, stream);
   } else {
-    launch<Epilogue::kSwiGLU, 128>(args, intermediate, stream);
+    wide ? launch<Epilogue::kSwiGLU, 256, false>(args, intermediate, stream)
+         : launch<Epilogue::kSwiGLU, 128, false>(args, intermediate, stream);
   }
 }
 
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   const int64_t n = args.b_rows_per_expert;
   if (n % 128 != 0) throw_invalid("grouped GEMM: N must be a multiple of 128");
+  if (args.a_row_index != nullptr) throw_invalid("grouped GEMM: L2 takes a materialised A");
   if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && n % 256 == 0) {
-    launch<Epilogue::kStore, 256>(args, 0, stream);
+    launch<Epilogue::kStore, 256, false>(args, 0, stream);
   } else {
-    launch<Epilogue::kStore, 128>(args, 0, stream);
+    launch<Epilogue::kStore, 128, false>(args, 0, stream);
   }
 }
 

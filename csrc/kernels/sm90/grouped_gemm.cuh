@@ -33,6 +33,9 @@ struct GroupedGemmParams {
   int32_t half_n;                 // kSwiGLU: I, offset of the up rows within an expert
   __nv_bfloat16* c;               // [rows, ldc]
   int64_t ldc;
+  // Gathered A (kGatherA): row r of the sorted order is row a_row_index[r] of a_source.
+  const __nv_bfloat16* a_source;  // [tokens, k] row-major
+  const int32_t* a_row_index;     // [rows]
 };
 
 constexpr int kBlockM = 128;
@@ -109,7 +112,95 @@ __device__ __forceinline__ void store_tile(const GroupedGemmParams& p, const Til
   }
 }
 
+constexpr int kProducerRegisters = 56;
+constexpr int kConsumerRegisters = 224;  // 128*56 + 256*224 <= 64K registers per SM
+
+// B tile(s) of one k-block: the expert's weight rows for this N-tile.
 template <Epilogue kEpilogue, int kBlockN>
+__device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGemmParams& p,
+                                       const TileCoords& t, __nv_bfloat16* dst, uint64_t* bar,
+                                       int kb) {
+  const int b_row = t.expert * p.b_rows_per_expert;
+  if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+    const int n = t.n_tile * (kBlockN / 2);
+    tma_load_2d(dst, &map_b, bar, kb * kBlockK, b_row + n);
+    tma_load_2d(dst + (kBlockN / 2) * kBlockK, &map_b, bar, kb * kBlockK, b_row + p.half_n + n);
+  } else {
+    tma_load_2d(dst, &map_b, bar, kb * kBlockK, b_row + t.n_tile * kBlockN);
+  }
+}
+
+// One thread: A and B tiles by TMA.
+template <Epilogue kEpilogue, int kBlockN>
+__device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                            const GroupedGemmParams& p,
+                                            GemmSharedStorage<kBlockN>& smem, int num_tiles,
+                                            int k_blocks) {
+  constexpr int kStages = TileConfig<kBlockN>::kStages;
+  prefetch_tensor_map(&map_a);
+  prefetch_tensor_map(&map_b);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileCoords t = locate_tile(p, tile);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbarrier_wait(&smem.empty[stage], phase ^ 1);
+      mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + TileConfig<kBlockN>::kTileBytesB);
+      tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.row0);
+      load_b<kEpilogue, kBlockN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    }
+  }
+}
+
+// The whole producer warpgroup: A rows gathered straight from the token matrix with
+// cp.async (no permuted copy of x in memory), B by TMA from thread 0. Each warp instruction
+// covers 4 rows x 128 contiguous bytes; the smem layout is TMA's 128-byte swizzle, which
+// the wgmma descriptors expect: 16-byte chunk c of row r lands at chunk c ^ (r % 8).
+template <Epilogue kEpilogue, int kBlockN>
+__device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
+                                                 const GroupedGemmParams& p,
+                                                 GemmSharedStorage<kBlockN>& smem,
+                                                 int num_tiles, int k_blocks) {
+  constexpr int kStages = TileConfig<kBlockN>::kStages;
+  constexpr int kRowsPerThread = kBlockM / 16;
+  const int thread = threadIdx.x;  // 0..127
+  const int chunk = thread % 8;
+  if (thread == 0) prefetch_tensor_map(&map_b);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileCoords t = locate_tile(p, tile);
+    const __nv_bfloat16* src[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int r = thread / 8 + 16 * i;
+      // Rows past the expert's end are never stored: leave their smem as it is.
+      src[i] = r < t.rows
+                   ? p.a_source + int64_t(__ldg(&p.a_row_index[t.row0 + r])) * p.k + chunk * 8
+                   : nullptr;
+    }
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbarrier_wait(&smem.empty[stage], phase ^ 1);
+      if (thread == 0) {
+        mbarrier_arrive_expect_tx(&smem.full[stage], TileConfig<kBlockN>::kTileBytesB);
+        load_b<kEpilogue, kBlockN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
+      }
+      uint8_t* a_tile = reinterpret_cast<uint8_t*>(smem.a[stage]);
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int r = thread / 8 + 16 * i;
+        if (src[i] != nullptr) {
+          cp_async_16(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16), src[i] + kb * kBlockK);
+        }
+      }
+      cp_async_mbarrier_arrive(&smem.full[stage]);
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    }
+  }
+}
+
+template <Epilogue kEpilogue, int kBlockN, bool kGatherA>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b, GroupedGemmParams p) {
@@ -122,7 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&smem.full[s], 1);
+      // TMA's expect_tx arrival, plus each producer thread's cp.async arrival when gathering.
+      mbarrier_init(&smem.full[s], kGatherA ? 1 + 128 : 1);
       mbarrier_init(&smem.empty[s], 2);  // one arrival per consumer warpgroup
     }
     fence_barrier_init();
@@ -134,35 +226,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     // The producer needs few registers: give them to the consumers' accumulators.
-    setmaxnreg_dec<40>();
-    if (threadIdx.x != 0) return;
-    prefetch_tensor_map(&map_a);
-    prefetch_tensor_map(&map_b);
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const TileCoords t = locate_tile(p, tile);
-      const int b_row = t.expert * p.b_rows_per_expert;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        mbarrier_wait(&smem.empty[stage], phase ^ 1);
-        mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + Config::kTileBytesB);
-        tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.row0);
-        if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-          const int n = t.n_tile * (kBlockN / 2);
-          tma_load_2d(smem.b[stage], &map_b, &smem.full[stage], kb * kBlockK, b_row + n);
-          tma_load_2d(smem.b[stage] + (kBlockN / 2) * kBlockK, &map_b, &smem.full[stage],
-                      kb * kBlockK, b_row + p.half_n + n);
-        } else {
-          tma_load_2d(smem.b[stage], &map_b, &smem.full[stage], kb * kBlockK,
-                      b_row + t.n_tile * kBlockN);
-        }
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      }
+    setmaxnreg_dec<kProducerRegisters>();
+    if constexpr (kGatherA) {
+      produce_gathered<kEpilogue, kBlockN>(map_b, p, smem, num_tiles, k_blocks);
+    } else if (threadIdx.x == 0) {
+      produce_tma<kEpilogue, kBlockN>(map_a, map_b, p, smem, num_tiles, k_blocks);
     }
     return;
   }
 
-  setmaxnreg_inc<232>();
+  setmaxnreg_inc<kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   const bool releases = threadIdx.x % 128 == 0;
   float acc[Config::kAccumulators];
@@ -173,6 +246,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait(&smem.full[stage], phase);
+      // Gathered A rows were written through the generic proxy; wgmma reads the async one.
+      if constexpr (kGatherA) fence_proxy_async_shared();
       const uint64_t desc_a = smem_desc_k_major_sw128(smem.a[stage] + consumer * 64 * kBlockK);
       const uint64_t desc_b = smem_desc_k_major_sw128(smem.b[stage]);
 #pragma unroll

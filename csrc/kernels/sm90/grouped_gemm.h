@@ -9,8 +9,12 @@
 namespace megamoe::sm90 {
 
 struct GroupedGemmArgs {
-  const __nv_bfloat16* a;          // [a_rows, k] rows sorted by expert
-  int64_t a_rows;                  // rows allocated (the valid ones are per expert_offsets)
+  // A in sorted order: either a materialised [a_rows, k] matrix (a_row_index null), or
+  // gathered on the fly: sorted row r is row a_row_index[r] of a ([tokens, k]).
+  const __nv_bfloat16* a;
+  const int32_t* a_row_index;      // device [a_rows] or null
+  int64_t a_source_rows;           // rows of a when gathering (tokens)
+  int64_t a_rows;                  // sorted rows allocated (the valid ones per expert_offsets)
   const __nv_bfloat16* b;          // [num_experts * b_rows_per_expert, k]
   int64_t b_rows_per_expert;
   int64_t k;                       // multiple of 64
@@ -22,9 +26,11 @@ struct GroupedGemmArgs {
 };
 
 // L1: c[r, :I] = silu(a_r . gate_e) * (a_r . up_e); b = w_gate_up viewed as [E*2I, H].
+// Supports the gathered A.
 void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream);
 
 // L2: c[r, :N] = a_r . b_e, N = b_rows_per_expert; b = w_down viewed as [E*H, I].
+// Materialised A only.
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // Rows of an M-tile: expert groups are padded to a multiple of this for tile_offsets.

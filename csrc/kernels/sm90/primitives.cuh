@@ -63,6 +63,27 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// ---- cp.async (row gathers that TMA cannot express) -----------------------------------
+
+// 16 bytes global -> shared, bypassing L1.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+
+// Arrives on `bar` once this thread's earlier cp.async copies have landed; the barrier's
+// expected count includes this arrival (noinc).
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
+// Orders generic-proxy shared-memory writes (cp.async, st.shared) seen by this thread before
+// its later async-proxy reads (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ---- wgmma ---------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor of a K-major tile written by TMA with 128-byte swizzle:
