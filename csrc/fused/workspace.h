@@ -12,13 +12,10 @@ struct ForwardWorkspace {
   size_t row_token, row_slot, slot_row;                // int32 [T*k] each
   size_t invalid_count;                                // int32 [1]
   size_t plan_scratch;                                 // routing-plan temporaries
-  size_t rows;        // bf16 [T*k, H]: gathered x rows, then the L2 output rows
+  size_t rows;        // bf16 [T*k, H]: the L2 output rows, in expert-sorted order
   size_t activation;  // bf16 [T*k, I]: silu(gate) * up
   size_t total;
 };
-
-// MEGAMOE_GATHER_KERNEL=1: gather x rows with a separate kernel instead of inside L1.
-bool gather_kernel_requested();
 
 ForwardWorkspace forward_workspace(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E);
 
