@@ -7,7 +7,8 @@
 #   MEGAMOE_BENCH_ARGS="--tokens 16384" bash tools/gpu_check.sh OUT_DIR
 #
 # Writes to OUT_DIR: gpu.txt, ctest.log (+ gtest.xml), pytest.log, ep_check.json (2+ GPUs),
-# bench-short.json and the benchmark log. Exits non-zero if any step failed.
+# sass.txt/sass.log, sanitizer-*.log, bench-short.json and the benchmark log. Exits
+# non-zero if any step failed.
 set -uo pipefail
 out=${1:?usage: tools/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -39,6 +40,23 @@ step "Python tests" pytest.log python3 -m pytest -v -rs tests/python --ignore=te
 if [ "$gpus" -ge 2 ]; then
   step "EP=2 check" ep_check.log python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     tests/python/ep_check.py --json "$out/ep_check.json"
+fi
+# The GEMM kernels must use the tensor cores (HGMMA) and never spill to local memory.
+sass_check() {
+  cuobjdump --dump-sass "$MEGAMOE_LIBRARY" >"$out/sass.txt" || return 1
+  local hgmma spills
+  hgmma=$(grep -c HGMMA "$out/sass.txt"); spills=$(grep -cE '\b(LDL|STL)\b' "$out/sass.txt")
+  echo "HGMMA instructions: $hgmma, local loads/stores (LDL/STL): $spills"
+  [ "$hgmma" -gt 0 ] && [ "$spills" -eq 0 ]
+}
+if command -v cuobjdump >/dev/null; then step "SASS check" sass.log sass_check; fi
+# Memory errors and shared-memory races of the fused forward on small problems.
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck synccheck; do
+    step "compute-sanitizer $tool" "sanitizer-$tool.log" timeout 300 compute-sanitizer \
+      --tool "$tool" --error-exitcode 1 python3 -m pytest -q -x tests/python/test_fused.py \
+      -k "extra0 or extra1 or extra5"
+  done
 fi
 # shellcheck disable=SC2086
 step "short benchmark" bench-short.log python3 -m megamoe.bench --backends torch,fused \
