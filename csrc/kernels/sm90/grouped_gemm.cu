@@ -59,6 +59,9 @@ CUtensorMap make_tensor_map(const void* base, int64_t rows, int64_t cols, int bo
 
 void check_args(const GroupedGemmArgs& a) {
   if (a.k % kBlockK != 0) throw_invalid("grouped GEMM: K must be a multiple of 64");
+  if (a.ldc % 8 != 0 || reinterpret_cast<uintptr_t>(a.c) % 16) {
+    throw_invalid("grouped GEMM: C rows must be 16-byte aligned");
+  }
   if (reinterpret_cast<uintptr_t>(a.a) % 16 || reinterpret_cast<uintptr_t>(a.b) % 16) {
     throw_invalid("grouped GEMM: A and B must be 16-byte aligned");
   }
@@ -77,6 +80,8 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
       make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
   const CUtensorMap map_b =
       make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
+  // Output stores: boxes of 64 rows x 64 columns (one consumer warpgroup's slab).
+  const CUtensorMap map_c = make_tensor_map(a.c, a.a_rows, a.ldc, 64);
   GroupedGemmParams p{};
   p.expert_offsets = a.expert_offsets;
   p.tile_offsets = a.tile_offsets;
@@ -96,11 +101,12 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   // The host does not know the counts: bound the M-tiles by one partial tile per expert.
   const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
-  const size_t smem = sizeof(GemmSharedStorage<kBlockN>) + 1024;  // + alignment slack
+  const size_t smem = sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024;  // + alignment
+  static_assert(sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024 <= 227 * 1024);
   auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA>;
   MEGAMOE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, p);
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, p);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

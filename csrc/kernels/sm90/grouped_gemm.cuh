@@ -42,24 +42,31 @@ constexpr int kBlockM = 128;
 constexpr int kBlockK = 64;
 constexpr int kThreads = 384;
 constexpr int kTileBytesA = kBlockM * kBlockK * 2;
-constexpr int kSharedBudget = 200 * 1024;  // of the 227 KB a block may have
+constexpr int kSharedBudget = 224 * 1024;  // of the 227 KB a block may have
+constexpr int kStoreBoxCols = 64;          // TMA store boxes: 64 rows x 64 bf16 (128 B)
 
-// A tile of 128 rows x kBlockN columns of output (kSwiGLU: kBlockN/2 gate + kBlockN/2 up).
-template <int kBlockN>
+// A tile of 128 rows x kBlockN columns of accumulators (kSwiGLU: kBlockN/2 gate + kBlockN/2
+// up, kBlockN/2 output columns).
+template <Epilogue kEpilogue, int kBlockN>
 struct TileConfig {
   static_assert(kBlockN == 128 || kBlockN == 256);
   static constexpr int kTileBytesB = kBlockN * kBlockK * 2;
-  static constexpr int kStages = kSharedBudget / (kTileBytesA + kTileBytesB);
+  static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  // Each consumer warpgroup stages its 64 output rows for the TMA store.
+  static constexpr int kStagingBytes = 64 * kOutCols * 2;
+  static constexpr int kStages =
+      (kSharedBudget - 2 * kStagingBytes) / (kTileBytesA + kTileBytesB);
   static constexpr int kAccumulators = kBlockN / 2;  // per consumer thread (m64nNk16)
 };
 
-template <int kBlockN>
+template <Epilogue kEpilogue, int kBlockN>
 struct alignas(1024) GemmSharedStorage {
-  static constexpr int kStages = TileConfig<kBlockN>::kStages;
-  __nv_bfloat16 a[kStages][kBlockM * kBlockK];
-  __nv_bfloat16 b[kStages][kBlockN * kBlockK];
-  uint64_t full[kStages];
-  uint64_t empty[kStages];
+  using Config = TileConfig<kEpilogue, kBlockN>;
+  __nv_bfloat16 a[Config::kStages][kBlockM * kBlockK];
+  __nv_bfloat16 b[Config::kStages][kBlockN * kBlockK];
+  uint8_t staging[2][Config::kStagingBytes];
+  uint64_t full[Config::kStages];
+  uint64_t empty[Config::kStages];
 };
 
 // The tile's expert, first row, number of valid rows and N-tile index.
@@ -87,19 +94,17 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 
 // Accumulator fragment of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
 // columns 8q + 2(l%4) (+1) in acc[4q + {0,1}] (row) and acc[4q + {2,3}] (row + 8).
-template <Epilogue kEpilogue, int kBlockN>
-__device__ __forceinline__ void store_tile(const GroupedGemmParams& p, const TileCoords& t,
-                                           const float (&acc)[kBlockN / 2], int warpgroup) {
+// `emit(r, c, v0, v1)` receives the output values of row r (0..63 of the warpgroup's slab)
+// and columns c, c + 1.
+template <Epilogue kEpilogue, int kBlockN, class Emit>
+__device__ __forceinline__ void for_each_output(const float (&acc)[kBlockN / 2], Emit&& emit) {
   const int thread = threadIdx.x % 128;
-  const int row_in_tile = warpgroup * 64 + (thread / 32) * 16 + (thread % 32) / 4;
+  const int row = (thread / 32) * 16 + (thread % 32) / 4;
   const int col = (thread % 4) * 2;
-  constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
+  constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
   constexpr int kUpChunk = kBlockN / 2 / 8;  // first 8-column chunk of the up half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int r = row_in_tile + half * 8;
-    if (r >= t.rows) continue;
-    __nv_bfloat16* out = p.c + int64_t(t.row0 + r) * p.ldc + t.n_tile * kOutCols + col;
 #pragma unroll
     for (int q = 0; q < kOutCols / 8; ++q) {
       float v0 = acc[q * 4 + half * 2], v1 = acc[q * 4 + half * 2 + 1];
@@ -107,8 +112,52 @@ __device__ __forceinline__ void store_tile(const GroupedGemmParams& p, const Til
         v0 = silu(v0) * acc[(q + kUpChunk) * 4 + half * 2];
         v1 = silu(v1) * acc[(q + kUpChunk) * 4 + half * 2 + 1];
       }
-      *reinterpret_cast<__nv_bfloat162*>(out + q * 8) = __floats2bfloat162_rn(v0, v1);
+      emit(row + half * 8, q * 8 + col, v0, v1);
     }
+  }
+}
+
+// A slab with rows past the expert's end: plain masked stores from registers.
+template <Epilogue kEpilogue, int kBlockN>
+__device__ __forceinline__ void store_slab_direct(const GroupedGemmParams& p, const TileCoords& t,
+                                                  const float (&acc)[kBlockN / 2], int warpgroup) {
+  constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
+  const int slab = warpgroup * 64;
+  __nv_bfloat16* base = p.c + int64_t(t.row0 + slab) * p.ldc + t.n_tile * kOutCols;
+  for_each_output<kEpilogue, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
+    if (slab + r < t.rows) {
+      *reinterpret_cast<__nv_bfloat162*>(base + int64_t(r) * p.ldc + c) =
+          __floats2bfloat162_rn(v0, v1);
+    }
+  });
+}
+
+// A full slab: registers -> shared memory (the 128-byte swizzled layout of the store boxes,
+// conflict-free for this fragment) -> TMA store, which drains while the warpgroup goes on
+// to the next tile's MMAs. Thread 0 of the warpgroup owns the bulk stores.
+template <Epilogue kEpilogue, int kBlockN>
+__device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const TileCoords& t,
+                                               const float (&acc)[kBlockN / 2], int warpgroup,
+                                               uint8_t* staging) {
+  constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
+  constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
+  const bool leader = threadIdx.x % 128 == 0;
+  if (leader) bulk_wait_group_read_all();  // the previous tile's stores have left staging
+  named_barrier_sync(1 + warpgroup, 128);
+  for_each_output<kEpilogue, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
+    const int box = c / kStoreBoxCols, cc = c % kStoreBoxCols;
+    uint8_t* at = staging + box * kBoxBytes + r * 128 + (((cc / 8) ^ (r % 8)) * 16) + (cc % 8) * 2;
+    *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v0, v1);
+  });
+  fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
+  named_barrier_sync(1 + warpgroup, 128);
+  if (leader) {
+#pragma unroll
+    for (int box = 0; box < kOutCols / kStoreBoxCols; ++box) {
+      tma_store_2d(&map_c, staging + box * kBoxBytes, t.n_tile * kOutCols + box * kStoreBoxCols,
+                   t.row0 + warpgroup * 64);
+    }
+    bulk_commit_group();
   }
 }
 
@@ -134,9 +183,9 @@ __device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGe
 template <Epilogue kEpilogue, int kBlockN>
 __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                             const GroupedGemmParams& p,
-                                            GemmSharedStorage<kBlockN>& smem, int num_tiles,
+                                            GemmSharedStorage<kEpilogue, kBlockN>& smem, int num_tiles,
                                             int k_blocks) {
-  constexpr int kStages = TileConfig<kBlockN>::kStages;
+  constexpr int kStages = TileConfig<kEpilogue, kBlockN>::kStages;
   prefetch_tensor_map(&map_a);
   prefetch_tensor_map(&map_b);
   int stage = 0;
@@ -145,7 +194,7 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
     const TileCoords t = locate_tile(p, tile);
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
-      mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + TileConfig<kBlockN>::kTileBytesB);
+      mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + TileConfig<kEpilogue, kBlockN>::kTileBytesB);
       tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.row0);
       load_b<kEpilogue, kBlockN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
@@ -160,9 +209,9 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
 template <Epilogue kEpilogue, int kBlockN>
 __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
                                                  const GroupedGemmParams& p,
-                                                 GemmSharedStorage<kBlockN>& smem,
+                                                 GemmSharedStorage<kEpilogue, kBlockN>& smem,
                                                  int num_tiles, int k_blocks) {
-  constexpr int kStages = TileConfig<kBlockN>::kStages;
+  constexpr int kStages = TileConfig<kEpilogue, kBlockN>::kStages;
   constexpr int kRowsPerThread = kBlockM / 16;
   const int thread = threadIdx.x;  // 0..127
   const int chunk = thread % 8;
@@ -183,7 +232,7 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
       if (thread == 0) {
-        mbarrier_arrive_expect_tx(&smem.full[stage], TileConfig<kBlockN>::kTileBytesB);
+        mbarrier_arrive_expect_tx(&smem.full[stage], TileConfig<kEpilogue, kBlockN>::kTileBytesB);
         load_b<kEpilogue, kBlockN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
       }
       uint8_t* a_tile = reinterpret_cast<uint8_t*>(smem.a[stage]);
@@ -203,11 +252,12 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
 template <Epilogue kEpilogue, int kBlockN, bool kGatherA>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                        const __grid_constant__ CUtensorMap map_b, GroupedGemmParams p) {
-  using Config = TileConfig<kBlockN>;
+                        const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_c, GroupedGemmParams p) {
+  using Config = TileConfig<kEpilogue, kBlockN>;
   constexpr int kStages = Config::kStages;
   extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<GemmSharedStorage<kBlockN>*>(
+  auto& smem = *reinterpret_cast<GemmSharedStorage<kEpilogue, kBlockN>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int warpgroup = threadIdx.x / 128;
 
@@ -272,8 +322,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
     if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
-    store_tile<kEpilogue, kBlockN>(p, t, acc, consumer);
+    if (t.rows - consumer * 64 >= 64) {
+      store_slab_tma<kEpilogue, kBlockN>(map_c, t, acc, consumer, smem.staging[consumer]);
+    } else {
+      store_slab_direct<kEpilogue, kBlockN>(p, t, acc, consumer);
+    }
   }
+  if (releases) bulk_wait_group_all();  // shared memory must outlive the last stores
 }
 
 }  // namespace megamoe::sm90
