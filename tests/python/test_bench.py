@@ -171,4 +171,5 @@ def test_short_gpu_run(tmp_path, capsys):
     assert rows["torch"]["speedup_fwd_vs_torch"] == 1.0
     assert rows["torch"]["pct_of_peak"] > 0
     assert rows["reference"]["status"] == "ok"
-    assert rows["fused"]["status"] == "ok" or rows["fused"]["status"].startswith("skipped: NotBuiltError")
+    # The tiny preset (H=64, I=32) is below the fused kernels' multiples of 128.
+    assert rows["fused"]["status"].startswith("skipped:") and "multiples of 128" in rows["fused"]["status"]
