@@ -134,12 +134,16 @@ def _check_backend_limits(problem: Problem, x, backend, group):
     if backend == "fused":
         _check_fused_limits(problem, x, group)
     if backend == "torch" and x.is_cuda:
-        if x.dtype != torch.bfloat16:
-            raise MegaMoEError(f"backend='torch' on CUDA computes in bf16 (torch._grouped_mm): "
-                               f"expected x and the weights in torch.bfloat16, got {x.dtype}")
-        if H % TORCH_DIM_MULTIPLE or I % TORCH_DIM_MULTIPLE:
-            raise MegaMoEError(f"backend='torch' on CUDA needs H and I to be multiples of "
-                               f"{TORCH_DIM_MULTIPLE} (16-byte rows), got H={H}, I={I}")
+        _require_bf16_and_dims("torch", x, H, I, TORCH_DIM_MULTIPLE)
+
+
+def _require_bf16_and_dims(backend, x, H, I, multiple):
+    if x.dtype != torch.bfloat16:
+        raise MegaMoEError(f"backend={backend!r} on CUDA computes in bf16: expected x and the "
+                           f"weights in torch.bfloat16, got {x.dtype}")
+    if H % multiple or I % multiple:
+        raise MegaMoEError(f"backend={backend!r} needs H and I to be multiples of {multiple}, "
+                           f"got H={H}, I={I}")
 
 
 def _check_fused_limits(problem: Problem, x, group):
@@ -149,12 +153,7 @@ def _check_fused_limits(problem: Problem, x, group):
                             "use backend='torch' for expert parallelism")
     if not x.is_cuda:
         raise MegaMoEError(f"backend='fused' runs on CUDA tensors, got x on {x.device}")
-    if x.dtype != torch.bfloat16:
-        raise MegaMoEError(f"backend='fused' computes in bf16: expected x and the weights in "
-                           f"torch.bfloat16, got {x.dtype}")
-    if H % FUSED_DIM_MULTIPLE or I % FUSED_DIM_MULTIPLE:
-        raise MegaMoEError(f"backend='fused' needs H and I to be multiples of {FUSED_DIM_MULTIPLE}, "
-                           f"got H={H}, I={I}")
+    _require_bf16_and_dims("fused", x, H, I, FUSED_DIM_MULTIPLE)
     if problem.topk > FUSED_MAX_TOPK:
         raise MegaMoEError(f"backend='fused' takes k <= {FUSED_MAX_TOPK}, got k={problem.topk}")
     if problem.num_experts > FUSED_MAX_EXPERTS:
