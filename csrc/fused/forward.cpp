@@ -9,7 +9,7 @@
 #include "core/tensor_check.h"
 #include "fused/workspace.h"
 #include "kernels/common/device.h"
-#include "kernels/common/gather_combine.h"  // combine_rows
+#include "kernels/common/combine_rows.h"
 #include "kernels/common/routing_plan.h"
 #include "kernels/sm90/grouped_gemm.h"
 

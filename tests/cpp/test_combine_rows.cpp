@@ -1,7 +1,7 @@
-// megamoe::gather_rows / combine_rows (internal, csrc/kernels/common/gather_combine.h) on a
-// GPU against CPU loops. Both kernels are exact functions of their inputs (a copy; an fp32
-// fma chain in slot order rounded once to bf16), so results are compared bit for bit. GPU
-// tests skip without a GPU; the argument checks run everywhere.
+// megamoe::combine_rows (internal, csrc/kernels/common/combine_rows.h) on a GPU against a
+// CPU loop. The kernel is an exact function of its inputs (an fp32 fma chain in slot order
+// rounded once to bf16), so results are compared bit for bit. GPU tests skip without a GPU;
+// the argument checks run everywhere.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/common/gather_combine.h"
+#include "kernels/common/combine_rows.h"
 #include "kernels/common/routing_plan.h"
 
 namespace {
@@ -90,7 +90,7 @@ void expect_poisoned(const char* what, const uint16_t* p, int64_t count) {
 uint64_t fresh_seed() { return std::random_device{}(); }
 #define SEEDED(seed) SCOPED_TRACE("seed=" + std::to_string(seed))
 
-class GatherCombineGpu : public ::testing::Test {
+class CombineRowsGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     int n = 0;
@@ -143,37 +143,6 @@ class GatherCombineGpu : public ::testing::Test {
     } catch (const megamoe::Error& e) {
       FAIL() << name << " threw: " << e.what();
     }
-  }
-
-  // T tokens of x; num_rows rows of which the first `valid` have a token (the rest -1, as
-  // a routing plan leaves them); *num_valid_rows = `reported` (normally = valid).
-  void check_gather(int64_t T, int64_t H, int64_t num_rows, int64_t valid, int64_t reported,
-                    uint64_t seed) {
-    SCOPED_TRACE("gather T=" + std::to_string(T) + " H=" + std::to_string(H) + " rows=" +
-                 std::to_string(num_rows) + " valid=" + std::to_string(valid));
-    std::mt19937_64 rng(seed);
-    const std::vector<uint16_t> x = random_bf16(rng, T * H);
-    std::vector<int32_t> row_token(num_rows, -1);
-    for (int64_t r = 0; r < valid; ++r) row_token[r] = static_cast<int32_t>(rng() % T);
-    const int32_t n_dev = static_cast<int32_t>(reported);
-    auto* d_x = reinterpret_cast<const __nv_bfloat16*>(upload(x));
-    int32_t* d_rows = upload(row_token);
-    int32_t* d_n = upload(std::vector<int32_t>{n_dev});
-    __nv_bfloat16* d_xs = bf16_rows(num_rows, H);
-    ASSERT_FALSE(HasFailure());
-    poison_rows(d_xs, num_rows, H);
-    call("gather_rows",
-         [&] { megamoe::gather_rows(d_x, H, d_rows, d_n, num_rows, d_xs, stream_); });
-    const std::vector<uint16_t> xs =
-        download(reinterpret_cast<const uint16_t*>(d_xs), (num_rows + kGuardRows) * H);
-    const int64_t copied = std::min(valid, std::min(reported, num_rows));
-    std::vector<uint16_t> want(copied * H);
-    for (int64_t r = 0; r < copied; ++r) {
-      std::copy_n(x.begin() + row_token[r] * H, H, want.begin() + r * H);
-    }
-    expect_rows("xs rows < N", xs.data(), want.data(), copied, H);
-    expect_poisoned("xs rows >= N and guard", xs.data() + copied * H,
-                    (num_rows + kGuardRows - copied) * H);
   }
 
   // o has T*k rows; slot_row maps slots to a random permutation of them, -1 with p_none;
@@ -234,48 +203,26 @@ class GatherCombineGpu : public ::testing::Test {
 
 }  // namespace
 
-TEST_F(GatherCombineGpu, GatherH2048) {
-  const uint64_t seed = fresh_seed();
-  SEEDED(seed);
-  check_gather(4097, 2048, 4097 * 8, 4097 * 8 - 1000, 4097 * 8 - 1000, seed);
-}
-
-TEST_F(GatherCombineGpu, GatherH64) {
-  const uint64_t seed = fresh_seed();
-  SEEDED(seed);
-  check_gather(4097, 64, 4097 * 8, 30000, 30000, seed);
-  check_gather(16384, 64, 16384 * 8, 16384 * 8, 16384 * 8, seed + 1);  // every row valid
-}
-
-TEST_F(GatherCombineGpu, GatherOtherShapes) {
-  const uint64_t seed = fresh_seed();
-  SEEDED(seed);
-  for (int64_t H : {8, 24, 136, 2056, 4096}) check_gather(7, H, 7 * 3, 17, 17, seed + H);
-  check_gather(1, 2048, 1, 1, 1, seed + 1);
-  check_gather(1, 64, 4, 0, 0, seed + 2);    // N = 0: nothing written
-  check_gather(5, 64, 10, 10, 15, seed + 3); // N beyond num_rows is clamped
-}
-
-TEST_F(GatherCombineGpu, CombineFp32WeightsH2048) {
+TEST_F(CombineRowsGpu, CombineFp32WeightsH2048) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
   check_combine(1024, 8, 2048, false, 0.1, seed);
 }
 
-TEST_F(GatherCombineGpu, CombineBf16WeightsH2048) {
+TEST_F(CombineRowsGpu, CombineBf16WeightsH2048) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
   check_combine(1024, 8, 2048, true, 0.1, seed);
 }
 
-TEST_F(GatherCombineGpu, CombineH64) {
+TEST_F(CombineRowsGpu, CombineH64) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
   check_combine(4097, 8, 64, false, 0.1, seed);
   check_combine(4097, 8, 64, true, 0.1, seed + 1);
 }
 
-TEST_F(GatherCombineGpu, CombineShapes) {
+TEST_F(CombineRowsGpu, CombineShapes) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
   check_combine(1, 1, 64, false, 0.0, seed);
@@ -286,25 +233,23 @@ TEST_F(GatherCombineGpu, CombineShapes) {
   check_combine(5, 4, 4096, true, 1.0, seed + 5);    // no valid slot: all zeros
 }
 
-TEST_F(GatherCombineGpu, CombineBitwiseDeterministic) {
+TEST_F(CombineRowsGpu, CombineBitwiseDeterministic) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
   check_combine(2048, 8, 2048, false, 0.05, seed, 3);
 }
 
-TEST_F(GatherCombineGpu, NoRowsNoTokensAreNoOps) {
-  call("gather_rows", [&] {
-    megamoe::gather_rows(nullptr, 64, nullptr, nullptr, 0, nullptr, stream_);
-  });
+TEST_F(CombineRowsGpu, NoTokensIsANoOp) {
   call("combine_rows", [&] {
     megamoe::combine_rows(nullptr, 64, nullptr, nullptr, false, 0, 8, nullptr, stream_);
   });
   CUDA_OK(cudaStreamSynchronize(stream_));
 }
 
-// Plan, gather and combine captured in one CUDA graph, with identity "experts" (o = xs), so
-// y[t] = sum over valid slots of p[t,j] * x[t], exactly.
-TEST_F(GatherCombineGpu, PlanGatherCombineInCudaGraph) {
+// Plan and combine captured in one CUDA graph, with identity "experts": o holds x[t] at the
+// sorted row of every valid slot of token t (laid out from a plan built once outside the
+// graph), so y[t] = sum over valid slots of p[t,j] * x[t], exactly.
+TEST_F(CombineRowsGpu, PlanCombineInCudaGraph) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
   for (int64_t H : {64, 2048}) {
@@ -321,24 +266,52 @@ TEST_F(GatherCombineGpu, PlanGatherCombineInCudaGraph) {
     std::uniform_real_distribution<float> wdist(0.0f, 1.0f);
     for (float& v : w) v = wdist(rng);
 
+    // Expected: N valid pairs; y = cpu_combine over x itself, slot (t, j) reading row t
+    // when its id is valid (the plan puts x[t] at that slot's sorted row of o).
+    int64_t valid = 0;
+    std::vector<int32_t> slot_token(n, -1);
+    for (int64_t s = 0; s < n; ++s) {
+      if (ids[s] < 0 || ids[s] >= E) continue;
+      ++valid;
+      slot_token[s] = static_cast<int32_t>(s / k);
+    }
+    const std::vector<uint16_t> want = cpu_combine(x, H, slot_token, w, T, k);
+
     int32_t* d_ids = upload(ids);
-    auto* d_x = reinterpret_cast<const __nv_bfloat16*>(upload(x));
     float* d_w = upload(w);
-    megamoe::RoutingPlan plan{alloc<int32_t>(E), alloc<int32_t>(E + 1), alloc<int32_t>(E + 1),
-                              alloc<int32_t>(n), alloc<int32_t>(n),     alloc<int32_t>(n),
-                              alloc<int32_t>(1)};
+    const megamoe::RoutingPlan plan{alloc<int32_t>(E), alloc<int32_t>(E + 1),
+                                    alloc<int32_t>(E + 1), alloc<int32_t>(n),
+                                    alloc<int32_t>(n), alloc<int32_t>(n),
+                                    alloc<int32_t>(1)};
     void* scratch = alloc<char>(static_cast<int64_t>(megamoe::routing_plan_scratch_bytes(n, E)));
-    __nv_bfloat16* d_xs = bf16_rows(n, H);
     __nv_bfloat16* d_y = bf16_rows(T, H);
+    ASSERT_FALSE(HasFailure());
+    const auto build_plan = [&] {
+      megamoe::build_routing_plan(d_ids, false, T, k, E, 128, plan, scratch, stream_);
+    };
+
+    // The plan once, outside any graph, for the sorted order of o's rows.
+    call("build_routing_plan", build_plan);
+    const std::vector<int32_t> row_token = download(plan.row_token, n);
+    const std::vector<int32_t> offsets = download(plan.expert_offsets, E + 1);
+    ASSERT_FALSE(HasFailure());
+    ASSERT_EQ(offsets[E], valid);
+    // Rows >= N and the guard rows of o stay NaN: reading one would show in y.
+    std::vector<uint16_t> o((n + kGuardRows) * H, kPoisonBits);
+    for (int64_t r = 0; r < valid; ++r) {
+      ASSERT_GE(row_token[r], 0);
+      ASSERT_LT(row_token[r], T);
+      std::copy_n(x.begin() + row_token[r] * H, H, o.begin() + r * H);
+    }
+    auto* d_o = reinterpret_cast<const __nv_bfloat16*>(upload(o));
     ASSERT_FALSE(HasFailure());
 
     cudaGraph_t graph = nullptr;
     CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
     std::string error;
     try {
-      megamoe::build_routing_plan(d_ids, false, T, k, E, 128, plan, scratch, stream_);
-      megamoe::gather_rows(d_x, H, plan.row_token, plan.expert_offsets + E, n, d_xs, stream_);
-      megamoe::combine_rows(d_xs, H, plan.slot_row, d_w, false, T, k, d_y, stream_);
+      build_plan();
+      megamoe::combine_rows(d_o, H, plan.slot_row, d_w, false, T, k, d_y, stream_);
     } catch (const megamoe::Error& e) {
       error = e.what();
     }
@@ -347,41 +320,27 @@ TEST_F(GatherCombineGpu, PlanGatherCombineInCudaGraph) {
     cudaGraphExec_t exec = nullptr;
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
-    // Expected: N valid pairs; y by the fma chain over valid slots with o row = x[t].
-    int64_t valid = 0;
-    std::vector<uint16_t> want(T * H);
-    std::vector<float> acc(H);
-    for (int64_t t = 0; t < T; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t e = ids[t * k + j];
-        if (e < 0 || e >= E) continue;
-        ++valid;
-        for (int64_t c = 0; c < H; ++c) acc[c] = std::fmaf(w[t * k + j], from_bf16(x[t * H + c]), acc[c]);
-      }
-      for (int64_t c = 0; c < H; ++c) want[t * H + c] = to_bf16(acc[c]);
-    }
-
     std::vector<uint16_t> first_y;
     for (int replay = 0; replay < 2; ++replay) {
-      poison_rows(d_xs, n, H);
+      // Every plan output to -1 (no valid slot): y is right only if the replay rebuilt it.
+      const auto poison_ints = [&](int32_t* p, int64_t count) {
+        CUDA_OK(cudaMemsetAsync(p, 0xff, count * sizeof(int32_t), stream_));
+      };
+      poison_ints(plan.expert_counts, E);
+      poison_ints(plan.expert_offsets, E + 1);
+      poison_ints(plan.tile_offsets, E + 1);
+      poison_ints(plan.row_token, n);
+      poison_ints(plan.row_slot, n);
+      poison_ints(plan.slot_row, n);
+      poison_ints(plan.invalid_count, 1);
       poison_rows(d_y, T, H);
       CUDA_OK(cudaGraphLaunch(exec, stream_));
-      const std::vector<int32_t> row_token = download(plan.row_token, n);
-      const std::vector<int32_t> offsets = download(plan.expert_offsets, E + 1);
-      const std::vector<uint16_t> xs =
-          download(reinterpret_cast<const uint16_t*>(d_xs), (n + kGuardRows) * H);
+      const std::vector<int32_t> replay_row_token = download(plan.row_token, n);
+      const std::vector<int32_t> replay_offsets = download(plan.expert_offsets, E + 1);
       const std::vector<uint16_t> y =
           download(reinterpret_cast<const uint16_t*>(d_y), (T + kGuardRows) * H);
-      ASSERT_EQ(offsets[E], valid);
-      std::vector<uint16_t> want_xs(valid * H);
-      for (int64_t r = 0; r < valid; ++r) {
-        ASSERT_GE(row_token[r], 0);
-        ASSERT_LT(row_token[r], T);
-        std::copy_n(x.begin() + row_token[r] * H, H, want_xs.begin() + r * H);
-      }
-      expect_rows("xs", xs.data(), want_xs.data(), valid, H);
-      expect_poisoned("xs rows >= N", xs.data() + valid * H, (n + kGuardRows - valid) * H);
+      ASSERT_EQ(replay_offsets[E], valid);
+      EXPECT_TRUE(replay_row_token == row_token) << "replayed plan differs from the one o follows";
       expect_rows("y", y.data(), want.data(), T, H);
       expect_poisoned("y guard", y.data() + T * H, kGuardRows * H);
       if (replay == 0) {
@@ -411,20 +370,12 @@ void expect_invalid(const std::function<void()>& call, const std::string& fragme
 
 }  // namespace
 
-TEST(GatherCombineArgs, RejectedBeforeAnyLaunch) {
+TEST(CombineRowsArgs, RejectedBeforeAnyLaunch) {
   alignas(16) static uint16_t buf[256];  // never dereferenced: validation comes first
   auto* rows = reinterpret_cast<__nv_bfloat16*>(buf);
   auto* odd = reinterpret_cast<__nv_bfloat16*>(buf + 1);
   auto* idx = reinterpret_cast<int32_t*>(buf);
   using megamoe::combine_rows;
-  using megamoe::gather_rows;
-  expect_invalid([&] { gather_rows(rows, 0, idx, idx, 4, rows, nullptr); }, "H:");
-  expect_invalid([&] { gather_rows(rows, 12, idx, idx, 4, rows, nullptr); }, "H:");
-  expect_invalid([&] { gather_rows(odd, 64, idx, idx, 4, rows, nullptr); }, "x is not 16-byte");
-  expect_invalid([&] { gather_rows(rows, 64, idx, idx, 4, odd, nullptr); }, "xs is not 16-byte");
-  expect_invalid([&] { gather_rows(rows, 64, nullptr, idx, 4, rows, nullptr); }, "row_token");
-  expect_invalid([&] { gather_rows(rows, 64, idx, nullptr, 4, rows, nullptr); }, "num_valid_rows");
-  expect_invalid([&] { gather_rows(rows, 64, idx, idx, -1, rows, nullptr); }, "num_rows");
   expect_invalid([&] { combine_rows(rows, 20, idx, buf, false, 4, 2, rows, nullptr); }, "H:");
   expect_invalid([&] { combine_rows(rows, 64, idx, buf, false, -1, 2, rows, nullptr); }, "T:");
   expect_invalid([&] { combine_rows(rows, 64, idx, buf, false, 4, 0, rows, nullptr); }, "k:");

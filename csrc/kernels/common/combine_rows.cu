@@ -1,8 +1,8 @@
-// Gather into expert-sorted rows and combine of the k expert outputs per token (contract in
-// gather_combine.h). Both are memory bound: 16-byte loads and stores, each row handled by a
-// group of `lanes` consecutive threads (a power of two) so that a warp covers one row or
-// several whole rows with contiguous accesses, grid-stride over rows.
-#include "kernels/common/gather_combine.h"
+// Combine of the k expert outputs per token (contract in combine_rows.h). Memory bound:
+// 16-byte loads and stores, each token row handled by a group of `lanes` consecutive threads
+// (a power of two) so that a warp covers one row or several whole rows with contiguous
+// accesses, grid-stride over rows.
+#include "kernels/common/combine_rows.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -19,8 +19,7 @@ namespace megamoe {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kGatherUnroll = 4;                // 16-byte vectors in flight per thread
-constexpr int kCombineGroup = 8;                // slots whose rows are loaded together
+constexpr int kCombineGroup = 8;  // slots whose rows are loaded together
 
 // log2 of the threads per row: the smallest power of two >= `per_row`, at most kThreads.
 int lanes_log2_for(int64_t per_row) {
@@ -29,8 +28,8 @@ int lanes_log2_for(int64_t per_row) {
   return l;
 }
 
-// Enough blocks for the rows, at most one full wave of resident blocks (the kernels
-// grid-stride, so a partial second wave would only add a tail).
+// Enough blocks for the rows, at most one full wave of resident blocks (the kernel
+// grid-strides, so a partial second wave would only add a tail).
 template <class Kernel>
 int grid_for(Kernel kernel, int64_t rows, int lanes_log2) {
   int device = 0, sms = 0, per_sm = 0;
@@ -53,37 +52,6 @@ void check_hidden(const char* function, int64_t H) {
   if (H < 8 || H % 8 != 0) {
     throw_invalid(std::string(function) + ": H: expected a positive multiple of 8, got " +
                   std::to_string(H));
-  }
-}
-
-__global__ void __launch_bounds__(kThreads)
-    gather_rows_kernel(const uint4* __restrict__ x, int64_t vecs,
-                       const int32_t* __restrict__ row_token,
-                       const int32_t* __restrict__ num_valid_rows, int64_t num_rows,
-                       int lanes_log2, uint4* __restrict__ xs) {
-  const int lanes = 1 << lanes_log2;
-  const int sub = threadIdx.x & (lanes - 1);
-  const int64_t rows_per_block = kThreads >> lanes_log2;
-  const int64_t n = min(num_rows, static_cast<int64_t>(*num_valid_rows));
-  for (int64_t r = blockIdx.x * rows_per_block + (threadIdx.x >> lanes_log2); r < n;
-       r += gridDim.x * rows_per_block) {
-    const int32_t token = __ldg(row_token + r);
-    if (token < 0) continue;
-    const uint4* src = x + token * vecs;
-    uint4* dst = xs + r * vecs;
-    for (int64_t v = sub; v < vecs; v += int64_t{lanes} * kGatherUnroll) {
-      uint4 buf[kGatherUnroll];
-#pragma unroll
-      for (int u = 0; u < kGatherUnroll; ++u) {
-        const int64_t i = v + int64_t{u} * lanes;
-        if (i < vecs) buf[u] = __ldg(src + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kGatherUnroll; ++u) {
-        const int64_t i = v + int64_t{u} * lanes;
-        if (i < vecs) dst[i] = buf[u];
-      }
-    }
   }
 }
 
@@ -147,29 +115,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 }  // namespace
-
-void gather_rows(const __nv_bfloat16* x, int64_t H, const int32_t* row_token,
-                 const int32_t* num_valid_rows, int64_t num_rows, __nv_bfloat16* xs,
-                 cudaStream_t stream) {
-  constexpr const char* kFn = "gather_rows";
-  check_hidden(kFn, H);
-  if (num_rows < 0 || num_rows > INT32_MAX) {
-    throw_invalid(std::string(kFn) + ": num_rows: expected a value in [0, 2147483647], got " +
-                  std::to_string(num_rows));
-  }
-  if (num_rows == 0) return;
-  check_rows(kFn, x, "x");
-  check_rows(kFn, xs, "xs");
-  if (!row_token) throw_invalid(std::string(kFn) + ": row_token is null");
-  if (!num_valid_rows) throw_invalid(std::string(kFn) + ": num_valid_rows is null");
-  const int64_t vecs = H / 8;
-  const int lanes_log2 = lanes_log2_for((vecs + kGatherUnroll - 1) / kGatherUnroll);
-  const int grid = grid_for(gather_rows_kernel, num_rows, lanes_log2);
-  gather_rows_kernel<<<grid, kThreads, 0, stream>>>(
-      reinterpret_cast<const uint4*>(x), vecs, row_token, num_valid_rows, num_rows, lanes_log2,
-      reinterpret_cast<uint4*>(xs));
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
 
 void combine_rows(const __nv_bfloat16* o, int64_t H, const int32_t* slot_row,
                   const void* topk_weights, bool weights_are_bf16, int64_t T, int64_t k,
