@@ -10,19 +10,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "gpu_test_util.h"
 #include "kernels/common/combine_rows.h"
 #include "kernels/common/routing_plan.h"
 
 namespace {
 
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+using megamoe_test::expect_invalid;
+using megamoe_test::fresh_seed;
 
 constexpr int64_t kGuardRows = 2;     // rows after every bf16 output, must stay poisoned
 constexpr uint16_t kPoisonBits = 0xffff;  // bf16 NaN (0xFF bytes)
@@ -87,47 +88,8 @@ void expect_poisoned(const char* what, const uint16_t* p, int64_t count) {
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << count << " elements were written";
 }
 
-uint64_t fresh_seed() { return std::random_device{}(); }
-#define SEEDED(seed) SCOPED_TRACE("seed=" + std::to_string(seed))
-
-class CombineRowsGpu : public ::testing::Test {
+class CombineRowsGpu : public megamoe_test::GpuTest {
  protected:
-  void SetUp() override {
-    int n = 0;
-    const cudaError_t err = cudaGetDeviceCount(&n);
-    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver || (err == cudaSuccess && n == 0)) {
-      (void)cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device visible (" << cudaGetErrorName(err) << ", " << n << " devices)";
-    }
-    CUDA_OK(err);
-    CUDA_OK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    for (void* p : allocations_) cudaFree(p);
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-
-  template <class T>
-  T* alloc(int64_t count) {
-    void* p = nullptr;
-    const size_t bytes = std::max<size_t>(count * sizeof(T), 16);
-    EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess) << bytes << " bytes";
-    allocations_.push_back(p);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  T* upload(const std::vector<T>& h) {
-    T* d = alloc<T>(static_cast<int64_t>(h.size()));
-    EXPECT_EQ(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-    return d;
-  }
-  template <class T>
-  std::vector<T> download(const T* d, int64_t count) {
-    std::vector<T> h(count);
-    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
   // bf16 rows plus kGuardRows guard rows, all 0xFF bytes (NaN).
   __nv_bfloat16* bf16_rows(int64_t rows, int64_t H) {
     return reinterpret_cast<__nv_bfloat16*>(alloc<uint16_t>((rows + kGuardRows) * H));
@@ -196,9 +158,6 @@ class CombineRowsGpu : public ::testing::Test {
       }
     }
   }
-
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
 };
 
 }  // namespace
@@ -356,20 +315,6 @@ TEST_F(CombineRowsGpu, PlanCombineInCudaGraph) {
 
 // ---------------------------------------------------------------------------------------
 // Argument checks: thrown before any CUDA call, so they run without a GPU too.
-namespace {
-
-void expect_invalid(const std::function<void()>& call, const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one mentioning '" << fragment << "'";
-  } catch (const megamoe::Error& e) {
-    EXPECT_EQ(e.status(), MEGAMOE_ERROR_INVALID_ARGUMENT) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
-
-}  // namespace
-
 TEST(CombineRowsArgs, RejectedBeforeAnyLaunch) {
   alignas(16) static uint16_t buf[256];  // never dereferenced: validation comes first
   auto* rows = reinterpret_cast<__nv_bfloat16*>(buf);

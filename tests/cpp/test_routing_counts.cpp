@@ -3,34 +3,16 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <string>
 #include <vector>
 
+#include "gpu_test_util.h"
 #include "megamoe/megamoe.h"
 
 namespace {
 
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-class RoutingCounts : public ::testing::Test {
+class RoutingCounts : public megamoe_test::GpuTest {
  protected:
-  void SetUp() override {
-    int32_t devices = 0;
-    ASSERT_EQ(megamoe_cuda_device_count(&devices), MEGAMOE_SUCCESS) << megamoe_last_error();
-    if (devices == 0) GTEST_SKIP() << "no CUDA device visible (megamoe_cuda_device_count = 0)";
-    CUDA_OK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    for (void* p : allocations_) cudaFree(p);
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-
-  void* device_alloc(size_t bytes) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
-    allocations_.push_back(p);
-    return p;
-  }
-
   static megamoe_tensor desc(void* data, megamoe_dtype dt, std::vector<int64_t> shape) {
     megamoe_tensor t{};
     t.data = data;
@@ -90,9 +72,6 @@ class RoutingCounts : public ::testing::Test {
     EXPECT_EQ(counts, expected);
     EXPECT_EQ(invalid, expected_invalid);
   }
-
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
 };
 
 }  // namespace

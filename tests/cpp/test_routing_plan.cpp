@@ -6,18 +6,19 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "gpu_test_util.h"
 #include "kernels/common/routing_plan.h"
 
 namespace {
 
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+using megamoe_test::expect_invalid;
+using megamoe_test::fresh_seed;
 
 constexpr int64_t kGuard = 64;                // ints after every output, must stay untouched
 constexpr int32_t kPoison = 0x7b7b7b7b;       // not -1: unwritten rows must show up
@@ -121,7 +122,7 @@ void expect_same(const char* what, const std::vector<int32_t>& got,
 }
 
 // ---------------------------------------------------------------------------------------
-class RoutingPlanGpu : public ::testing::Test {
+class RoutingPlanGpu : public megamoe_test::GpuTest {
  protected:
   // Device outputs, each followed by kGuard poisoned ints.
   struct Buffers {
@@ -138,27 +139,6 @@ class RoutingPlanGpu : public ::testing::Test {
     }
   };
 
-  void SetUp() override {
-    int n = 0;
-    const cudaError_t err = cudaGetDeviceCount(&n);
-    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver || (err == cudaSuccess && n == 0)) {
-      (void)cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device visible (" << cudaGetErrorName(err) << ", " << n << " devices)";
-    }
-    CUDA_OK(err);
-    CUDA_OK(cudaStreamCreate(&stream_));
-  }
-  void TearDown() override {
-    for (void* p : allocations_) cudaFree(p);
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-
-  void* device_alloc(size_t bytes) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 16)), cudaSuccess) << bytes << " bytes";
-    allocations_.push_back(p);
-    return p;
-  }
   int32_t* int_buffer(int64_t count) {
     return static_cast<int32_t*>(device_alloc((count + kGuard) * sizeof(int32_t)));
   }
@@ -290,17 +270,7 @@ class RoutingPlanGpu : public ::testing::Test {
     mix.wide = mix.wide || ids64;
     check(random_ids(rng, T, k, E, mix), ids64, T, k, E, block_m);
   }
-
-  cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
 };
-
-uint64_t fresh_seed() {
-  // Fresh inputs every run; the seed is printed by SCOPED_TRACE-using callers on failure.
-  return std::random_device{}();
-}
-
-#define SEEDED(seed) SCOPED_TRACE("seed=" + std::to_string(seed))
 
 }  // namespace
 
@@ -467,20 +437,6 @@ TEST_F(RoutingPlanGpu, CapturableInCudaGraph) {
 
 // ---------------------------------------------------------------------------------------
 // Argument checks: thrown before any CUDA call, so they run without a GPU too.
-namespace {
-
-void expect_invalid(const std::function<void()>& call, const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one mentioning '" << fragment << "'";
-  } catch (const megamoe::Error& e) {
-    EXPECT_EQ(e.status(), MEGAMOE_ERROR_INVALID_ARGUMENT) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
-
-}  // namespace
-
 TEST(RoutingPlanArgs, RejectedBeforeAnyLaunch) {
   alignas(8) static int32_t fake[64];  // never dereferenced: validation comes first
   const megamoe::RoutingPlan plan{fake, fake, fake, fake, fake, fake, fake};

@@ -1,0 +1,89 @@
+// Scaffolding shared by the C++ tests: GpuTest, the base fixture of the tests that need a
+// CUDA device, and expect_invalid, the check that a call rejects its arguments.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "megamoe/megamoe.h"
+
+// Fails the test, and returns from the calling function, unless a CUDA call succeeds.
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+// Puts the seed of a randomized check into every failure message below it.
+#define SEEDED(seed) SCOPED_TRACE("seed=" + std::to_string(seed))
+
+namespace megamoe_test {
+
+// Fresh inputs every run; callers print the seed with SEEDED so a failure can be replayed.
+inline uint64_t fresh_seed() { return std::random_device{}(); }
+
+// Skips the test when no CUDA device is visible, as the library itself sees it
+// (megamoe_cuda_device_count: no GPU or no driver is 0 devices, not a failure); otherwise
+// gives it stream_ and device memory, all released in TearDown.
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int32_t devices = 0;
+    ASSERT_EQ(megamoe_cuda_device_count(&devices), MEGAMOE_SUCCESS) << megamoe_last_error();
+    if (devices == 0) GTEST_SKIP() << "no CUDA device visible (megamoe_cuda_device_count = 0)";
+    CUDA_OK(cudaStreamCreate(&stream_));
+  }
+  void TearDown() override {
+    for (void* p : allocations_) cudaFree(p);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  // At least 16 bytes, so that an empty buffer is still a valid, aligned pointer.
+  void* device_alloc(size_t bytes) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(bytes, 16)), cudaSuccess) << bytes << " bytes";
+    allocations_.push_back(p);
+    return p;
+  }
+  template <class T>
+  T* alloc(int64_t count) {
+    return static_cast<T*>(device_alloc(count * sizeof(T)));
+  }
+  template <class T>
+  T* upload(const std::vector<T>& h) {
+    T* d = alloc<T>(static_cast<int64_t>(h.size()));
+    EXPECT_EQ(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    return d;
+  }
+  // Waits for stream_ first.
+  template <class T>
+  std::vector<T> download(const T* d, int64_t count) {
+    std::vector<T> h(count);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+
+  cudaStream_t stream_ = nullptr;
+
+ private:
+  std::vector<void*> allocations_;
+};
+
+// `call` must throw megamoe::Error with INVALID_ARGUMENT and a message containing `fragment`.
+inline void expect_invalid(const std::function<void()>& call, const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one mentioning '" << fragment << "'";
+  } catch (const megamoe::Error& e) {
+    EXPECT_EQ(e.status(), MEGAMOE_ERROR_INVALID_ARGUMENT) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace megamoe_test
