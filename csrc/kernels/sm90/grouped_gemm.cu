@@ -67,11 +67,15 @@ void check_args(const GroupedGemmArgs& a) {
   }
 }
 
-template <Epilogue kEpilogue, int kBlockN, bool kGatherA>
-void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
+template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN = false>
+void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
+            MnMajorStrides strides = {}) {
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
-  constexpr int box_rows_b = kOutCols;
-  const int64_t out_width = kEpilogue == Epilogue::kSwiGLU ? half_n : a.b_rows_per_expert;
+  constexpr int box_rows_b = kBMajorN ? kBlockK : kOutCols;
+  // N-major B: B_e is [k, n]; otherwise [n, k] (b_rows_per_expert rows each).
+  const int64_t out_width = kEpilogue == Epilogue::kSwiGLU ? half_n
+                            : kBMajorN                     ? a.n
+                                                           : a.b_rows_per_expert;
   const int n_tiles = static_cast<int>(out_width / kOutCols);
   check_args(a);
   if (a.a_rows == 0) return;
@@ -79,7 +83,8 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   const CUtensorMap map_a =
       make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
   const CUtensorMap map_b =
-      make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
+      kBMajorN ? make_tensor_map(a.b, a.num_experts * a.k, a.n, box_rows_b)
+               : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
   // Output stores: boxes of 64 rows x 64 columns (one consumer warpgroup's slab).
   const CUtensorMap map_c = make_tensor_map(a.c, a.a_rows, a.ldc, 64);
   GroupedGemmParams p{};
@@ -94,6 +99,9 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   p.ldc = a.ldc;
   p.a_source = a.a;
   p.a_row_index = a.a_row_index;
+  p.b_lbo = strides.lbo;
+  p.b_sbo = strides.sbo;
+  if (kBMajorN) p.b_rows_per_expert = static_cast<int32_t>(a.k);
 
   int device = 0, sms = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -103,7 +111,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream) {
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   const size_t smem = sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024;  // + alignment
   static_assert(sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024 <= 227 * 1024);
-  auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA>;
+  auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA, kBMajorN>;
   MEGAMOE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, p);
@@ -138,6 +146,19 @@ void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
     launch<Epilogue::kStore, 256, false>(args, 0, stream);
   } else {
     launch<Epilogue::kStore, 128, false>(args, 0, stream);
+  }
+}
+
+void grouped_gemm_b_n_major(const GroupedGemmArgs& args, cudaStream_t stream,
+                            MnMajorStrides strides) {
+  if (args.n % 128 != 0) throw_invalid("grouped GEMM (N-major B): N must be a multiple of 128");
+  if (args.a_row_index != nullptr) {
+    if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
+    args.n % 256 == 0 ? launch<Epilogue::kStore, 256, true, true>(args, 0, stream, strides)
+                      : launch<Epilogue::kStore, 128, true, true>(args, 0, stream, strides);
+  } else {
+    args.n % 256 == 0 ? launch<Epilogue::kStore, 256, false, true>(args, 0, stream, strides)
+                      : launch<Epilogue::kStore, 128, false, true>(args, 0, stream, strides);
   }
 }
 

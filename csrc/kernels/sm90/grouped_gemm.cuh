@@ -36,6 +36,9 @@ struct GroupedGemmParams {
   // Gathered A (kGatherA): row r of the sorted order is row a_row_index[r] of a_source.
   const __nv_bfloat16* a_source;  // [tokens, k] row-major
   const int32_t* a_row_index;     // [rows]
+  // N-major B (kBMajorN): B_e is [k, n] with n contiguous, rows e*k.. of the tensor map;
+  // descriptor strides of its shared-memory tile (see smem_desc_mn_major_sw128).
+  uint32_t b_lbo, b_sbo;
 };
 
 constexpr int kBlockM = 128;
@@ -165,12 +168,20 @@ constexpr int kProducerRegisters = 56;
 constexpr int kConsumerRegisters = 224;  // 128*56 + 256*224 <= 64K registers per SM
 
 // B tile(s) of one k-block: the expert's weight rows for this N-tile.
-template <Epilogue kEpilogue, int kBlockN>
+template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
 __device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGemmParams& p,
                                        const TileCoords& t, __nv_bfloat16* dst, uint64_t* bar,
                                        int kb) {
   const int b_row = t.expert * p.b_rows_per_expert;
-  if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+  if constexpr (kBMajorN) {
+    static_assert(kEpilogue == Epilogue::kStore);
+    // Boxes of 64 K-rows x 64 N-elements, one after the other along N.
+#pragma unroll
+    for (int box = 0; box < kBlockN / 64; ++box) {
+      tma_load_2d(dst + box * 64 * kBlockK, &map_b, bar, t.n_tile * kBlockN + box * 64,
+                  b_row + kb * kBlockK);
+    }
+  } else if constexpr (kEpilogue == Epilogue::kSwiGLU) {
     const int n = t.n_tile * (kBlockN / 2);
     tma_load_2d(dst, &map_b, bar, kb * kBlockK, b_row + n);
     tma_load_2d(dst + (kBlockN / 2) * kBlockK, &map_b, bar, kb * kBlockK, b_row + p.half_n + n);
@@ -180,7 +191,7 @@ __device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGe
 }
 
 // One thread: A and B tiles by TMA.
-template <Epilogue kEpilogue, int kBlockN>
+template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
 __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                             const GroupedGemmParams& p,
                                             GemmSharedStorage<kEpilogue, kBlockN>& smem, int num_tiles,
@@ -196,7 +207,7 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
       mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + TileConfig<kEpilogue, kBlockN>::kTileBytesB);
       tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.row0);
-      load_b<kEpilogue, kBlockN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
+      load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     }
   }
@@ -206,7 +217,7 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
 // cp.async (no permuted copy of x in memory), B by TMA from thread 0. Each warp instruction
 // covers 4 rows x 128 contiguous bytes; the smem layout is TMA's 128-byte swizzle, which
 // the wgmma descriptors expect: 16-byte chunk c of row r lands at chunk c ^ (r % 8).
-template <Epilogue kEpilogue, int kBlockN>
+template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
 __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
                                                  const GroupedGemmParams& p,
                                                  GemmSharedStorage<kEpilogue, kBlockN>& smem,
@@ -233,7 +244,7 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
       if (thread == 0) {
         mbarrier_arrive_expect_tx(&smem.full[stage], TileConfig<kEpilogue, kBlockN>::kTileBytesB);
-        load_b<kEpilogue, kBlockN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
+        load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
       }
       uint8_t* a_tile = reinterpret_cast<uint8_t*>(smem.a[stage]);
 #pragma unroll
@@ -249,7 +260,7 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
   }
 }
 
-template <Epilogue kEpilogue, int kBlockN, bool kGatherA>
+template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -278,9 +289,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The producer needs few registers: give them to the consumers' accumulators.
     setmaxnreg_dec<kProducerRegisters>();
     if constexpr (kGatherA) {
-      produce_gathered<kEpilogue, kBlockN>(map_b, p, smem, num_tiles, k_blocks);
+      produce_gathered<kEpilogue, kBlockN, kBMajorN>(map_b, p, smem, num_tiles, k_blocks);
     } else if (threadIdx.x == 0) {
-      produce_tma<kEpilogue, kBlockN>(map_a, map_b, p, smem, num_tiles, k_blocks);
+      produce_tma<kEpilogue, kBlockN, kBMajorN>(map_a, map_b, p, smem, num_tiles, k_blocks);
     }
     return;
   }
@@ -299,14 +310,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Gathered A rows were written through the generic proxy; wgmma reads the async one.
       if constexpr (kGatherA) fence_proxy_async_shared();
       const uint64_t desc_a = smem_desc_k_major_sw128(smem.a[stage] + consumer * 64 * kBlockK);
-      const uint64_t desc_b = smem_desc_k_major_sw128(smem.b[stage]);
+      const uint64_t desc_b = kBMajorN
+                                  ? smem_desc_mn_major_sw128(smem.b[stage], p.b_lbo, p.b_sbo)
+                                  : smem_desc_k_major_sw128(smem.b[stage]);
+      // Along K, 16 elements are 32 bytes in a K-major row but 16 rows of 128 bytes in an
+      // N-major tile (descriptor units of 16 bytes).
+      constexpr int kStepB = kBMajorN ? 16 * 128 / 16 : 2;
 #pragma unroll
       for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         // 16 bf16 along K are 32 bytes: 2 in the descriptor's 16-byte address units.
-        wgmma_bf16<kBlockN>(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kb > 0 || kk > 0) ? 1 : 0);
+        wgmma_bf16<kBlockN, kBMajorN ? 1 : 0>(acc, desc_a + 2 * kk, desc_b + kStepB * kk,
+                                              (kb > 0 || kk > 0) ? 1 : 0);
       }
       wgmma_commit();
       // Keep this k-block's MMAs in flight; the previous block's are done, so its stage

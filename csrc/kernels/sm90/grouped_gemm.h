@@ -23,6 +23,14 @@ struct GroupedGemmArgs {
   const int32_t* tile_offsets;     // device [E+1], M-tiles of 128 rows
   __nv_bfloat16* c;                // [a_rows, ldc]
   int64_t ldc;
+  int64_t n;                       // output columns (N-major B only)
+};
+
+// Shared-memory descriptor strides of an N-major B tile (bytes); the defaults describe the
+// layout the kernel's TMA boxes produce.
+struct MnMajorStrides {
+  uint32_t lbo = 64 * 128;  // next 64 elements along N: the next box of 64 K-rows
+  uint32_t sbo = 8 * 128;   // next 8 rows along K
 };
 
 // L1: c[r, :I] = silu(a_r . gate_e) * (a_r . up_e); b = w_gate_up viewed as [E*2I, H].
@@ -32,6 +40,11 @@ void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cuda
 // L2: c[r, :N] = a_r . b_e, N = b_rows_per_expert; b = w_down viewed as [E*H, I].
 // Materialised A only.
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// c[r, :n] = a_r . B_e with B = [num_experts, k, n] (n contiguous: N-major, e.g. w_down
+// in [E, H, I] read as K = H, N = I for the backward's dgrad). `strides` exists for tests.
+void grouped_gemm_b_n_major(const GroupedGemmArgs& args, cudaStream_t stream,
+                            MnMajorStrides strides = {});
 
 // Rows of an M-tile: expert groups are padded to a multiple of this for tile_offsets.
 constexpr int kGroupedGemmBlockM = 128;
