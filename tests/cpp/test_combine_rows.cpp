@@ -328,8 +328,6 @@ TEST(CombineRowsArgs, RejectedBeforeAnyLaunch) {
   expect_invalid([&] { combine_rows(rows, 64, idx, buf, false, 4, 2, odd, nullptr); }, "y is not");
   expect_invalid([&] { combine_rows(rows, 64, nullptr, buf, false, 4, 2, rows, nullptr); },
                  "slot_row");
-  expect_invalid([&] { combine_rows(rows, 64, idx, nullptr, false, 4, 2, rows, nullptr); },
-                 "topk_weights");
   expect_invalid([&] { combine_rows(rows, 64, idx, buf + 1, false, 4, 2, rows, nullptr); },
                  "topk_weights is not aligned");
   expect_invalid([&] { combine_rows(rows, 64, idx, buf, true, int64_t{1} << 30, 4, rows, nullptr); },

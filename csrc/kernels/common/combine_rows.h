@@ -16,7 +16,7 @@ namespace megamoe {
 // fixed order j = 0..k-1 (acc = fma(p, o, acc), starting from +0), rounded once to bf16
 // (round to nearest even). A slot with slot_row < 0 adds nothing; a token with no valid
 // slot gets zeros. Every row of y [T, H] is written. topk_weights [T, k] is fp32, or bf16
-// when weights_are_bf16.
+// when weights_are_bf16; null means every weight is 1 (a plain sum of the k rows).
 void combine_rows(const __nv_bfloat16* o, int64_t H, const int32_t* slot_row,
                   const void* topk_weights, bool weights_are_bf16, int64_t T, int64_t k,
                   __nv_bfloat16* y, cudaStream_t stream);

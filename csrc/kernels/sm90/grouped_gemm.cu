@@ -5,6 +5,7 @@
 
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -69,13 +70,14 @@ void check_args(const GroupedGemmArgs& a) {
 
 template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN = false>
 void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
-            MnMajorStrides strides = {}) {
+            MnMajorStrides strides = {}, const SwiGLUBackwardArgs* backward = nullptr) {
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   constexpr int box_rows_b = kBMajorN ? kBlockK : kOutCols;
   // N-major B: B_e is [k, n]; otherwise [n, k] (b_rows_per_expert rows each).
   const int64_t out_width = kEpilogue == Epilogue::kSwiGLU ? half_n
                             : kBMajorN                     ? a.n
                                                            : a.b_rows_per_expert;
+  // kSwiGLUBackward: half_n is I (the up half's offset in h and dh).
   const int n_tiles = static_cast<int>(out_width / kOutCols);
   check_args(a);
   if (a.a_rows == 0) return;
@@ -102,6 +104,13 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   p.b_lbo = strides.lbo;
   p.b_sbo = strides.sbo;
   if (kBMajorN) p.b_rows_per_expert = static_cast<int32_t>(a.k);
+  if (backward != nullptr) {
+    p.h = backward->h;
+    p.dh = backward->dh;
+    p.slot_weights = backward->slot_weights;
+    p.row_slot = backward->row_slot;
+    p.dp_partial = backward->dp_partial;
+  }
 
   int device = 0, sms = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -141,12 +150,44 @@ void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cuda
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   const int64_t n = args.b_rows_per_expert;
   if (n % 128 != 0) throw_invalid("grouped GEMM: N must be a multiple of 128");
-  if (args.a_row_index != nullptr) throw_invalid("grouped GEMM: L2 takes a materialised A");
-  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && n % 256 == 0) {
-    launch<Epilogue::kStore, 256, false>(args, 0, stream);
+  const bool wide = MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && n % 256 == 0;
+  if (args.a_row_index != nullptr) {
+    if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
+    wide ? launch<Epilogue::kStore, 256, true>(args, 0, stream)
+         : launch<Epilogue::kStore, 128, true>(args, 0, stream);
   } else {
-    launch<Epilogue::kStore, 128, false>(args, 0, stream);
+    wide ? launch<Epilogue::kStore, 256, false>(args, 0, stream)
+         : launch<Epilogue::kStore, 128, false>(args, 0, stream);
   }
+}
+
+void grouped_gemm_swiglu_backward(const GroupedGemmArgs& args, const SwiGLUBackwardArgs& bw,
+                                  cudaStream_t stream) {
+  if (args.n % 128 != 0) throw_invalid("grouped GEMM (SwiGLU backward): I must be a multiple of 128");
+  if (!bw.h || !bw.dh || !bw.slot_weights || !bw.row_slot || !bw.dp_partial) {
+    throw_invalid("grouped GEMM (SwiGLU backward): null h, dh, weights, row_slot or dp_partial");
+  }
+  // The epilogue writes dh itself; C only needs a valid tensor map.
+  GroupedGemmArgs a = args;
+  a.c = bw.dh;
+  a.ldc = 2 * args.n;
+  const auto run = [&](auto block_n, auto gather) {
+    constexpr int kBlockN = decltype(block_n)::value;
+    constexpr bool kGather = decltype(gather)::value;
+    launch<Epilogue::kSwiGLUBackward, kBlockN, kGather, true>(a, args.n, stream, {}, &bw);
+  };
+  using N128 = std::integral_constant<int, 128>;
+  using N256 = std::integral_constant<int, 256>;
+  const bool gather = args.a_row_index != nullptr;
+  if (args.n % 256 == 0) {
+    gather ? run(N256{}, std::true_type{}) : run(N256{}, std::false_type{});
+  } else {
+    gather ? run(N128{}, std::true_type{}) : run(N128{}, std::false_type{});
+  }
+}
+
+int64_t swiglu_backward_n_tiles(int64_t intermediate) {
+  return intermediate % 256 == 0 ? intermediate / 256 : intermediate / 128;
 }
 
 void grouped_gemm_b_n_major(const GroupedGemmArgs& args, cudaStream_t stream,

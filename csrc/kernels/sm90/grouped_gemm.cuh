@@ -21,7 +21,7 @@
 
 namespace megamoe::sm90 {
 
-enum class Epilogue { kStore, kSwiGLU };
+enum class Epilogue { kStore, kSwiGLU, kSwiGLUBackward };
 
 struct GroupedGemmParams {
   const int32_t* expert_offsets;  // [E+1] first row of each expert; [E] = rows in all
@@ -39,6 +39,12 @@ struct GroupedGemmParams {
   // N-major B (kBMajorN): B_e is [k, n] with n contiguous, rows e*k.. of the tensor map;
   // descriptor strides of its shared-memory tile (see smem_desc_mn_major_sw128).
   uint32_t b_lbo, b_sbo;
+  // kSwiGLUBackward (dgrad of L2): the accumulator is z = w_down_e^T dy for the row's slot.
+  const __nv_bfloat16* h;         // [rows, 2I] recomputed L1 output [gate | up]
+  __nv_bfloat16* dh;              // [rows, 2I] out: [dgate | dup]
+  const float* slot_weights;      // [T*k] router weights p, indexed by slot
+  const int32_t* row_slot;        // [rows] slot of each sorted row
+  float* dp_partial;              // [rows, n_tiles] out: sum over the tile's columns of z*a
 };
 
 constexpr int kBlockM = 128;
@@ -164,6 +170,56 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
   }
 }
 
+// dgrad of L2 fused with the SwiGLU backward, for one warpgroup's slab: with z = acc,
+// a = silu(g) u, da = p z: dg = da u silu'(g), du = da silu(g), and the tile's share of
+// dp = <z, a> (summed over the quad's lanes in a fixed order, one partial per N-tile).
+template <int kBlockN>
+__device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmParams& p,
+                                                           const TileCoords& t,
+                                                           const float (&acc)[kBlockN / 2],
+                                                           int warpgroup) {
+  const int slab = warpgroup * 64;
+  const int64_t ld = 2 * int64_t(p.half_n);
+  float partial[2] = {0.f, 0.f};
+  for_each_output<Epilogue::kSwiGLUBackward, kBlockN>(acc, [&](int r, int c, float z0, float z1) {
+    if (slab + r >= t.rows) return;
+    const int64_t row = t.row0 + slab + r;
+    const int col = t.n_tile * kBlockN + c;
+    const float weight = __ldg(&p.slot_weights[__ldg(&p.row_slot[row])]);
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.h + row * ld + col));
+    const float2 u =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.h + row * ld + p.half_n + col));
+    const float z[2] = {z0, z1}, gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+    float dg[2], du[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float sig = 1.0f / (1.0f + __expf(-gs[i]));
+      const float silu_g = gs[i] * sig;
+      partial[(r % 16) / 8] += z[i] * silu_g * us[i];
+      const float da = weight * z[i];
+      dg[i] = da * us[i] * sig * (1.0f + gs[i] * (1.0f - sig));
+      du[i] = da * silu_g;
+    }
+    *reinterpret_cast<__nv_bfloat162*>(p.dh + row * ld + col) = __floats2bfloat162_rn(dg[0], dg[1]);
+    *reinterpret_cast<__nv_bfloat162*>(p.dh + row * ld + p.half_n + col) =
+        __floats2bfloat162_rn(du[0], du[1]);
+  });
+  // The four lanes of a quad hold all columns of the same two rows.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 1);
+    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 2);
+  }
+  const int thread = threadIdx.x % 128;
+  if (thread % 4 == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = slab + (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
+      if (r < t.rows) p.dp_partial[int64_t(t.row0 + r) * p.n_tiles + t.n_tile] = partial[half];
+    }
+  }
+}
+
 constexpr int kProducerRegisters = 56;
 constexpr int kConsumerRegisters = 224;  // 128*56 + 256*224 <= 64K registers per SM
 
@@ -174,7 +230,7 @@ __device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGe
                                        int kb) {
   const int b_row = t.expert * p.b_rows_per_expert;
   if constexpr (kBMajorN) {
-    static_assert(kEpilogue == Epilogue::kStore);
+    static_assert(kEpilogue != Epilogue::kSwiGLU);
     // Boxes of 64 K-rows x 64 N-elements, one after the other along N.
 #pragma unroll
     for (int box = 0; box < kBlockN / 64; ++box) {
@@ -339,7 +395,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
     if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
-    if (t.rows - consumer * 64 >= 64) {
+    if constexpr (kEpilogue == Epilogue::kSwiGLUBackward) {
+      store_slab_swiglu_backward<kBlockN>(p, t, acc, consumer);
+    } else if (t.rows - consumer * 64 >= 64) {
       store_slab_tma<kEpilogue, kBlockN>(map_c, t, acc, consumer, smem.staging[consumer]);
     } else {
       store_slab_direct<kEpilogue, kBlockN>(p, t, acc, consumer);

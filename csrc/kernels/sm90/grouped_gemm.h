@@ -38,13 +38,28 @@ struct MnMajorStrides {
 void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream);
 
 // L2: c[r, :N] = a_r . b_e, N = b_rows_per_expert; b = w_down viewed as [E*H, I].
-// Materialised A only.
+// Also the backward's L1 recompute (b = w_gate_up, N = 2I, gathered A).
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // c[r, :n] = a_r . B_e with B = [num_experts, k, n] (n contiguous: N-major, e.g. w_down
 // in [E, H, I] read as K = H, N = I for the backward's dgrad). `strides` exists for tests.
 void grouped_gemm_b_n_major(const GroupedGemmArgs& args, cudaStream_t stream,
                             MnMajorStrides strides = {});
+
+// Backward of L2 and SwiGLU (dgrad): z_r = w_down_e^T dy_t for each sorted row r (A = dy
+// rows, gathered when args.a_row_index is set; B = w_down [E, H, I] as N-major K = H,
+// N = I = args.n), fused with da = p z, dh = [da u silu'(g), da silu(g)] from the
+// recomputed h = [g | u], and per-(row, N-tile) partials of dp = <z, silu(g) u>.
+struct SwiGLUBackwardArgs {
+  const __nv_bfloat16* h;      // [rows, 2I]
+  __nv_bfloat16* dh;           // [rows, 2I]
+  const float* slot_weights;   // [T*k] fp32 router weights
+  const int32_t* row_slot;     // [rows]
+  float* dp_partial;           // [rows, swiglu_backward_n_tiles(I)]
+};
+void grouped_gemm_swiglu_backward(const GroupedGemmArgs& args, const SwiGLUBackwardArgs& bw,
+                                  cudaStream_t stream);
+int64_t swiglu_backward_n_tiles(int64_t intermediate);
 
 // Rows of an M-tile: expert groups are padded to a multiple of this for tile_offsets.
 constexpr int kGroupedGemmBlockM = 128;
