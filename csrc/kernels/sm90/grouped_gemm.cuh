@@ -2,17 +2,22 @@
 //
 //   C[r, n] = sum_k A[r, k] * B_e[n, k]      for the rows r of expert e
 //
-// A: [rows, K] bf16, rows sorted by expert (expert_offsets); B: [E * b_rows_per_expert, K]
-// bf16, both K-major, read by TMA with 128-byte swizzle into a ring of shared-memory
-// stages. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2 each own
-// 64 rows of the 128-row tile and run wgmma m64nNk16 (N = 128 or 256) into fp32 registers. Tiles are
-// (expert M-tile, N-tile) pairs enumerated from tile_offsets, handed out round-robin over a
-// persistent grid; producer and consumers walk the same sequence.
+// A: [rows, K] bf16, rows sorted by expert (expert_offsets), K-major: read by TMA, or
+// gathered from a token matrix by cp.async (kGatherA). B: per expert either [n, K]
+// (K-major, rows e * b_rows_per_expert..) or [K, n] (N-major, kBMajorN), read by TMA. Both
+// land in a ring of 128-byte-swizzled shared-memory stages. Warpgroup 0 is the producer,
+// warpgroups 1 and 2 each own 64 rows of the 128-row tile and run wgmma m64nNk16 (N = 128
+// or 256) into fp32 registers. Tiles are (expert M-tile, N-tile) pairs enumerated from
+// tile_offsets, handed out round-robin over a persistent grid; producer and consumers walk
+// the same sequence.
 //
 // Epilogues (template):
 //   kSwiGLU: B tile rows [0, N/2) are gate rows n0.., rows [N/2, N) the up rows I+n0..;
 //            C[r, n0 + c] = silu(gate) * up for c < N/2 (output width I).
 //   kStore:  C[r, n0 + c] = acc for c < N.
+//   kSwiGLUBackward: acc = z (dgrad of L2); writes dh and dp partials (see below).
+// Full 64-row slabs leave through shared memory and TMA stores; partial ones through
+// masked register stores.
 #pragma once
 
 #include <cuda_bf16.h>
