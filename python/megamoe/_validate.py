@@ -33,7 +33,6 @@ class Problem:
     topk: int            # k
     local_experts: int   # E_local, experts whose weights this rank holds
     world_size: int      # W, ranks in the expert-parallel group
-    rank: int
 
     @property
     def num_experts(self) -> int:  # E_total
@@ -69,13 +68,13 @@ def _shape(name, value, expected, how):
         raise MegaMoEError(f"{name}: expected shape {list(expected)} ({how}), got {list(value.shape)}")
 
 
-def _group_size_and_rank(group):
+def _group_size(group):
     if group is None:
-        return 1, 0
+        return 1
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise MegaMoEError("group: torch.distributed is not initialised")
-    return dist.get_world_size(group), dist.get_rank(group)
+    return dist.get_world_size(group)
 
 
 def check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend) -> Problem:
@@ -118,8 +117,7 @@ def check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend) -> 
         if value.device != x.device:
             raise MegaMoEError(f"{name}: expected device {x.device} (the device of x), got {value.device}")
 
-    W, rank = _group_size_and_rank(group)
-    problem = Problem(T, H, I, k, E_local, W, rank)
+    problem = Problem(T, H, I, k, E_local, _group_size(group))
     if k > problem.num_experts:
         raise MegaMoEError(f"topk_ids: k={k} is larger than the number of experts E={problem.num_experts}")
     _check_backend_limits(problem, x, backend, group)
