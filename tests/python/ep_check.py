@@ -123,6 +123,9 @@ def main():
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    # Every rank leaves the last collective before any tears the group down: a gloo rank
+    # that exits while its peer is still connected can abort the peer at shutdown.
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         print("EP check:", "PASSED" if ok.item() else "FAILED", flush=True)
