@@ -88,7 +88,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
       kBMajorN ? make_tensor_map(a.b, a.num_experts * a.k, a.n, box_rows_b)
                : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
   // Output stores: boxes of 64 rows x 64 columns (one consumer warpgroup's slab).
-  const CUtensorMap map_c = make_tensor_map(a.c, a.a_rows, a.ldc, 64);
+  const CUtensorMap map_c = make_tensor_map(a.c, a.c_rows > 0 ? a.c_rows : a.a_rows, a.ldc, 64);
   GroupedGemmParams p{};
   p.expert_offsets = a.expert_offsets;
   p.tile_offsets = a.tile_offsets;
@@ -104,12 +104,15 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   p.b_lbo = strides.lbo;
   p.b_sbo = strides.sbo;
   if (kBMajorN) p.b_rows_per_expert = static_cast<int32_t>(a.k);
+  p.a_padded = a.a_padded;
+  p.c_padded = a.c_padded;
   if (backward != nullptr) {
     p.h = backward->h;
     p.dh = backward->dh;
     p.slot_weights = backward->slot_weights;
     p.row_slot = backward->row_slot;
     p.dp_partial = backward->dp_partial;
+    p.a_out = backward->a_out;
   }
 
   int device = 0, sms = 0;
@@ -184,6 +187,42 @@ void grouped_gemm_swiglu_backward(const GroupedGemmArgs& args, const SwiGLUBackw
   } else {
     gather ? run(N128{}, std::true_type{}) : run(N128{}, std::false_type{});
   }
+}
+
+void grouped_gemm_wgrad(const WgradArgs& w, cudaStream_t stream) {
+  if (w.m % kBlockM || w.n % 128 || w.m < 1 || w.n < 1) {
+    throw_invalid("grouped GEMM (weight gradient): M and N must be positive multiples of 128");
+  }
+  if (!w.a || !w.b || !w.c || !w.tile_offsets) throw_invalid("grouped GEMM (weight gradient): null pointer");
+  const auto run = [&](auto block_n) {
+    constexpr int kBlockN = decltype(block_n)::value;
+    using Storage = GemmSharedStorage<Epilogue::kStore, kBlockN>;
+    const CUtensorMap map_a = make_tensor_map(w.a, w.padded_rows, w.m, kBlockK);
+    const CUtensorMap map_b = make_tensor_map(w.b, w.padded_rows, w.n, kBlockK);
+    const CUtensorMap map_c = make_tensor_map(w.c, w.num_experts * w.m, w.n, 64);
+    GroupedGemmParams p{};
+    p.tile_offsets = w.tile_offsets;
+    p.num_experts = static_cast<int32_t>(w.num_experts);
+    p.n_tiles = static_cast<int32_t>(w.n / kBlockN);
+    p.wgrad_m = static_cast<int32_t>(w.m);
+    p.b_rows_per_expert = 0;  // K rows come from tile_offsets
+    p.c = w.c;
+    p.ldc = w.n;
+    p.b_lbo = MnMajorStrides{}.lbo;
+    p.b_sbo = MnMajorStrides{}.sbo;
+    int device = 0, sms = 0;
+    MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+    MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int64_t tiles = w.num_experts * (w.m / kBlockM) * p.n_tiles;
+    const int grid = static_cast<int>(tiles < sms ? tiles : sms);
+    const size_t smem = sizeof(Storage) + 1024;
+    auto* kernel = &grouped_gemm_kernel<Epilogue::kStore, kBlockN, false, true, true>;
+    MEGAMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, p);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  };
+  w.n % 256 == 0 ? run(std::integral_constant<int, 256>{}) : run(std::integral_constant<int, 128>{});
 }
 
 int64_t swiglu_backward_n_tiles(int64_t intermediate) {

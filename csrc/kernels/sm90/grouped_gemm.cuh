@@ -50,6 +50,15 @@ struct GroupedGemmParams {
   const float* slot_weights;      // [T*k] router weights p, indexed by slot
   const int32_t* row_slot;        // [rows] slot of each sorted row
   float* dp_partial;              // [rows, n_tiles] out: sum over the tile's columns of z*a
+  __nv_bfloat16* a_out;           // [rows, I] out (optional): a = silu(g) u, for dW_down
+  // Padded row layout (the backward's weight-gradient operands): expert e's rows start at
+  // tile_offsets[e] * 128, pad rows up to the next 128 are zeros. a_padded: a materialised
+  // A is laid out so; c_padded: the outputs (C, dh, a_out) are, pad rows written as zeros
+  // by the kSwiGLUBackward epilogue.
+  int32_t a_padded, c_padded;
+  // kWgrad: C[e * wgrad_m + m, n] = sum over expert e's padded rows r of A[r, m] B[r, n],
+  // A M-major [padded rows, wgrad_m], B N-major [padded rows, n].
+  int32_t wgrad_m;
 };
 
 constexpr int kBlockM = 128;
@@ -83,9 +92,13 @@ struct alignas(1024) GemmSharedStorage {
   uint64_t empty[Config::kStages];
 };
 
-// The tile's expert, first row, number of valid rows and N-tile index.
+// The tile's expert, first (unpadded) row, number of valid rows and N-tile index; the
+// first row of a materialised A and of the outputs (padded or not); for kWgrad, the M
+// offset and the expert's padded K rows.
 struct TileCoords {
   int expert, row0, rows, n_tile;
+  int a_row0, out_row0;
+  int m0, k_row0, k_blocks;
 };
 
 __device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, int tile) {
@@ -101,6 +114,28 @@ __device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, in
   t.expert = lo;
   t.row0 = __ldg(&p.expert_offsets[lo]) + (m_tile - __ldg(&p.tile_offsets[lo])) * kBlockM;
   t.rows = min(kBlockM, __ldg(&p.expert_offsets[lo + 1]) - t.row0);
+  t.a_row0 = p.a_padded ? m_tile * kBlockM : t.row0;
+  t.out_row0 = p.c_padded ? m_tile * kBlockM : t.row0;
+  t.m0 = 0;
+  t.k_row0 = 0;
+  t.k_blocks = p.k / kBlockK;
+  return t;
+}
+
+// kWgrad tiles: (expert, M-tile of the weight, N-tile); K runs over the expert's padded rows.
+__device__ __forceinline__ TileCoords locate_wgrad_tile(const GroupedGemmParams& p, int tile) {
+  const int m_tiles = p.wgrad_m / kBlockM;
+  TileCoords t;
+  t.expert = tile / (m_tiles * p.n_tiles);
+  const int rest = tile % (m_tiles * p.n_tiles);
+  t.m0 = (rest / p.n_tiles) * kBlockM;
+  t.n_tile = rest % p.n_tiles;
+  t.row0 = t.a_row0 = 0;
+  t.out_row0 = t.expert * p.wgrad_m + t.m0;
+  t.rows = kBlockM;
+  const int first = __ldg(&p.tile_offsets[t.expert]);
+  t.k_row0 = first * kBlockM;
+  t.k_blocks = (__ldg(&p.tile_offsets[t.expert + 1]) - first) * (kBlockM / kBlockK);
   return t;
 }
 
@@ -137,7 +172,7 @@ __device__ __forceinline__ void store_slab_direct(const GroupedGemmParams& p, co
                                                   const float (&acc)[kBlockN / 2], int warpgroup) {
   constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
   const int slab = warpgroup * 64;
-  __nv_bfloat16* base = p.c + int64_t(t.row0 + slab) * p.ldc + t.n_tile * kOutCols;
+  __nv_bfloat16* base = p.c + int64_t(t.out_row0 + slab) * p.ldc + t.n_tile * kOutCols;
   for_each_output<kEpilogue, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
     if (slab + r < t.rows) {
       *reinterpret_cast<__nv_bfloat162*>(base + int64_t(r) * p.ldc + c) =
@@ -169,7 +204,7 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
 #pragma unroll
     for (int box = 0; box < kOutCols / kStoreBoxCols; ++box) {
       tma_store_2d(&map_c, staging + box * kBoxBytes, t.n_tile * kOutCols + box * kStoreBoxCols,
-                   t.row0 + warpgroup * 64);
+                   t.out_row0 + warpgroup * 64);
     }
     bulk_commit_group();
   }
@@ -187,27 +222,42 @@ __device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmPara
   const int64_t ld = 2 * int64_t(p.half_n);
   float partial[2] = {0.f, 0.f};
   for_each_output<Epilogue::kSwiGLUBackward, kBlockN>(acc, [&](int r, int c, float z0, float z1) {
-    if (slab + r >= t.rows) return;
-    const int64_t row = t.row0 + slab + r;
     const int col = t.n_tile * kBlockN + c;
+    const int64_t out_row = t.out_row0 + slab + r;
+    if (slab + r >= t.rows) {
+      if (p.c_padded) {  // pad rows of the weight-gradient operands are zeros
+        const __nv_bfloat162 zero = __floats2bfloat162_rn(0.f, 0.f);
+        *reinterpret_cast<__nv_bfloat162*>(p.dh + out_row * ld + col) = zero;
+        *reinterpret_cast<__nv_bfloat162*>(p.dh + out_row * ld + p.half_n + col) = zero;
+        if (p.a_out) *reinterpret_cast<__nv_bfloat162*>(p.a_out + out_row * p.half_n + col) = zero;
+      }
+      return;
+    }
+    const int64_t row = t.row0 + slab + r;
     const float weight = __ldg(&p.slot_weights[__ldg(&p.row_slot[row])]);
     const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.h + row * ld + col));
     const float2 u =
         __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.h + row * ld + p.half_n + col));
     const float z[2] = {z0, z1}, gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
-    float dg[2], du[2];
+    float dg[2], du[2], a[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float sig = 1.0f / (1.0f + __expf(-gs[i]));
       const float silu_g = gs[i] * sig;
-      partial[(r % 16) / 8] += z[i] * silu_g * us[i];
+      a[i] = silu_g * us[i];
+      partial[(r % 16) / 8] += z[i] * a[i];
       const float da = weight * z[i];
       dg[i] = da * us[i] * sig * (1.0f + gs[i] * (1.0f - sig));
       du[i] = da * silu_g;
     }
-    *reinterpret_cast<__nv_bfloat162*>(p.dh + row * ld + col) = __floats2bfloat162_rn(dg[0], dg[1]);
-    *reinterpret_cast<__nv_bfloat162*>(p.dh + row * ld + p.half_n + col) =
+    *reinterpret_cast<__nv_bfloat162*>(p.dh + out_row * ld + col) =
+        __floats2bfloat162_rn(dg[0], dg[1]);
+    *reinterpret_cast<__nv_bfloat162*>(p.dh + out_row * ld + p.half_n + col) =
         __floats2bfloat162_rn(du[0], du[1]);
+    if (p.a_out) {
+      *reinterpret_cast<__nv_bfloat162*>(p.a_out + out_row * p.half_n + col) =
+          __floats2bfloat162_rn(a[0], a[1]);
+    }
   });
   // The four lanes of a quad hold all columns of the same two rows.
 #pragma unroll
@@ -225,8 +275,11 @@ __device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmPara
   }
 }
 
+// setmaxnreg only moves registers within the block's launch allocation (384 x 168): what
+// the consumers gain, 256 x (224 - 168), must equal what the producer gives up,
+// 128 x (168 - 56); a larger total makes the consumers' setmaxnreg.inc wait forever.
 constexpr int kProducerRegisters = 56;
-constexpr int kConsumerRegisters = 224;  // 128*56 + 256*224 <= 64K registers per SM
+constexpr int kConsumerRegisters = 224;
 
 // B tile(s) of one k-block: the expert's weight rows for this N-tile.
 template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
@@ -236,11 +289,12 @@ __device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGe
   const int b_row = t.expert * p.b_rows_per_expert;
   if constexpr (kBMajorN) {
     static_assert(kEpilogue != Epilogue::kSwiGLU);
-    // Boxes of 64 K-rows x 64 N-elements, one after the other along N.
+    // Boxes of 64 K-rows x 64 N-elements, one after the other along N. (kWgrad: K rows are
+    // the expert's padded rows, t.k_row0.., and b_row is 0.)
 #pragma unroll
     for (int box = 0; box < kBlockN / 64; ++box) {
       tma_load_2d(dst + box * 64 * kBlockK, &map_b, bar, t.n_tile * kBlockN + box * 64,
-                  b_row + kb * kBlockK);
+                  b_row + t.k_row0 + kb * kBlockK);
     }
   } else if constexpr (kEpilogue == Epilogue::kSwiGLU) {
     const int n = t.n_tile * (kBlockN / 2);
@@ -251,23 +305,39 @@ __device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGe
   }
 }
 
-// One thread: A and B tiles by TMA.
-template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
+template <bool kWgrad>
+__device__ __forceinline__ TileCoords locate(const GroupedGemmParams& p, int tile) {
+  if constexpr (kWgrad) {
+    return locate_wgrad_tile(p, tile);
+  } else {
+    return locate_tile(p, tile);
+  }
+}
+
+// One thread: A and B tiles by TMA. kWgrad: A is M-major, two boxes of 64 K-rows x 64 M.
+template <Epilogue kEpilogue, int kBlockN, bool kBMajorN, bool kWgrad>
 __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                             const GroupedGemmParams& p,
-                                            GemmSharedStorage<kEpilogue, kBlockN>& smem, int num_tiles,
-                                            int k_blocks) {
+                                            GemmSharedStorage<kEpilogue, kBlockN>& smem,
+                                            int num_tiles) {
   constexpr int kStages = TileConfig<kEpilogue, kBlockN>::kStages;
   prefetch_tensor_map(&map_a);
   prefetch_tensor_map(&map_b);
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileCoords t = locate_tile(p, tile);
-    for (int kb = 0; kb < k_blocks; ++kb) {
+    const TileCoords t = locate<kWgrad>(p, tile);
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
       mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + TileConfig<kEpilogue, kBlockN>::kTileBytesB);
-      tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.row0);
+      if constexpr (kWgrad) {
+        for (int box = 0; box < kBlockM / 64; ++box) {
+          tma_load_2d(smem.a[stage] + box * 64 * kBlockK, &map_a, &smem.full[stage],
+                      t.m0 + box * 64, t.k_row0 + kb * kBlockK);
+        }
+      } else {
+        tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.a_row0);
+      }
       load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     }
@@ -292,14 +362,13 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoords t = locate_tile(p, tile);
-    const __nv_bfloat16* src[kRowsPerThread];
+    // Token of each of this thread's rows; -1 past the expert's end (never stored: their
+    // shared memory is left as it is). 32-bit to stay inside the producer's 56 registers.
+    int32_t token[kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int r = thread / 8 + 16 * i;
-      // Rows past the expert's end are never stored: leave their smem as it is.
-      src[i] = r < t.rows
-                   ? p.a_source + int64_t(__ldg(&p.a_row_index[t.row0 + r])) * p.k + chunk * 8
-                   : nullptr;
+      token[i] = r < t.rows ? __ldg(&p.a_row_index[t.row0 + r]) : -1;
     }
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
@@ -311,8 +380,9 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int r = thread / 8 + 16 * i;
-        if (src[i] != nullptr) {
-          cp_async_16(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16), src[i] + kb * kBlockK);
+        if (token[i] >= 0) {
+          cp_async_16(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16),
+                      p.a_source + int64_t(token[i]) * p.k + kb * kBlockK + chunk * 8);
         }
       }
       cp_async_mbarrier_arrive(&smem.full[stage]);
@@ -321,7 +391,7 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
   }
 }
 
-template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN>
+template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN, bool kWgrad = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
@@ -343,7 +413,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  const int num_tiles = __ldg(&p.tile_offsets[p.num_experts]) * p.n_tiles;
+  static_assert(!(kWgrad && kGatherA));
+  const int num_tiles = kWgrad ? p.num_experts * (p.wgrad_m / kBlockM) * p.n_tiles
+                               : __ldg(&p.tile_offsets[p.num_experts]) * p.n_tiles;
   const int k_blocks = p.k / kBlockK;
 
   if (warpgroup == 0) {
@@ -352,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kGatherA) {
       produce_gathered<kEpilogue, kBlockN, kBMajorN>(map_b, p, smem, num_tiles, k_blocks);
     } else if (threadIdx.x == 0) {
-      produce_tma<kEpilogue, kBlockN, kBMajorN>(map_a, map_b, p, smem, num_tiles, k_blocks);
+      produce_tma<kEpilogue, kBlockN, kBMajorN, kWgrad>(map_a, map_b, p, smem, num_tiles);
     }
     return;
   }
@@ -364,13 +436,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileCoords t = locate_tile(p, tile);
+    const TileCoords t = locate<kWgrad>(p, tile);
     int previous = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
+    if (t.k_blocks == 0) {  // an expert without tokens: its weight gradient is zero
+#pragma unroll
+      for (int i = 0; i < Config::kAccumulators; ++i) acc[i] = 0.f;
+    }
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
       mbarrier_wait(&smem.full[stage], phase);
       // Gathered A rows were written through the generic proxy; wgmma reads the async one.
       if constexpr (kGatherA) fence_proxy_async_shared();
-      const uint64_t desc_a = smem_desc_k_major_sw128(smem.a[stage] + consumer * 64 * kBlockK);
+      // kWgrad: this warpgroup's 64 M-rows are one 64-element box of the M-major A tile.
+      const uint64_t desc_a =
+          kWgrad ? smem_desc_mn_major_sw128(smem.a[stage] + consumer * 64 * kBlockK, 64 * 128, 8 * 128)
+                 : smem_desc_k_major_sw128(smem.a[stage] + consumer * 64 * kBlockK);
+      constexpr int kStepA = kWgrad ? 16 * 128 / 16 : 2;
       const uint64_t desc_b = kBMajorN
                                   ? smem_desc_mn_major_sw128(smem.b[stage], p.b_lbo, p.b_sbo)
                                   : smem_desc_k_major_sw128(smem.b[stage]);
@@ -383,8 +463,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         // 16 bf16 along K are 32 bytes: 2 in the descriptor's 16-byte address units.
-        wgmma_bf16<kBlockN, kBMajorN ? 1 : 0>(acc, desc_a + 2 * kk, desc_b + kStepB * kk,
-                                              (kb > 0 || kk > 0) ? 1 : 0);
+        wgmma_bf16<kBlockN, kBMajorN ? 1 : 0, kWgrad ? 1 : 0>(
+            acc, desc_a + kStepA * kk, desc_b + kStepB * kk, (kb > 0 || kk > 0) ? 1 : 0);
       }
       wgmma_commit();
       // Keep this k-block's MMAs in flight; the previous block's are done, so its stage

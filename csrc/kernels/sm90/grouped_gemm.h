@@ -21,9 +21,13 @@ struct GroupedGemmArgs {
   int64_t num_experts;
   const int32_t* expert_offsets;   // device [E+1]
   const int32_t* tile_offsets;     // device [E+1], M-tiles of 128 rows
-  __nv_bfloat16* c;                // [a_rows, ldc]
+  __nv_bfloat16* c;                // [c_rows, ldc]
   int64_t ldc;
   int64_t n;                       // output columns (N-major B only)
+  // The backward's padded row layout (see GroupedGemmParams): a materialised A, and the
+  // outputs, at tile_offsets[e] * 128 + i.
+  bool a_padded = false, c_padded = false;
+  int64_t c_rows = 0;              // rows of C allocated; 0: a_rows
 };
 
 // Shared-memory descriptor strides of an N-major B tile (bytes); the defaults describe the
@@ -56,10 +60,25 @@ struct SwiGLUBackwardArgs {
   const float* slot_weights;   // [T*k] fp32 router weights
   const int32_t* row_slot;     // [rows]
   float* dp_partial;           // [rows, swiglu_backward_n_tiles(I)]
+  __nv_bfloat16* a_out;        // optional [rows, I]: a = silu(g) u (padded with args.c_padded)
 };
 void grouped_gemm_swiglu_backward(const GroupedGemmArgs& args, const SwiGLUBackwardArgs& bw,
                                   cudaStream_t stream);
 int64_t swiglu_backward_n_tiles(int64_t intermediate);
+
+// Weight gradient, K-grouped over the experts' padded rows r (zeros in pad rows):
+//   c[e * m + i, j] = sum_r a[r, i] * b[r, j]     (a [rows, m], b [rows, n], both row-major)
+// e.g. dW_down = (p dy)^T a and dW_gate_up = dh^T x. An expert without rows gets zeros.
+struct WgradArgs {
+  const __nv_bfloat16* a;
+  const __nv_bfloat16* b;
+  int64_t padded_rows;           // rows allocated in a and b (>= tile_offsets[E] * 128)
+  int64_t m, n;                  // multiples of 128
+  int64_t num_experts;
+  const int32_t* tile_offsets;   // device [E+1]
+  __nv_bfloat16* c;              // [num_experts * m, n]
+};
+void grouped_gemm_wgrad(const WgradArgs& args, cudaStream_t stream);
 
 // Rows of an M-tile: expert groups are padded to a multiple of this for tile_offsets.
 constexpr int kGroupedGemmBlockM = 128;

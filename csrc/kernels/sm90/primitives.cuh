@@ -154,15 +154,15 @@ __device__ __forceinline__ void wgmma_wait() {
 // Keeps the compiler from moving accumulator reads/writes across the async MMA.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// D[64xN] (+)= A[64x16] * B[Nx16]^T, bf16 in, fp32 accumulate; A K-major in shared memory,
-// B K-major (kTransB = 0) or N-major (kTransB = 1). scale_d = 0 overwrites D. Each thread
-// holds N/2 accumulators.
+// D[64xN] (+)= A[64x16] * B[Nx16]^T, bf16 in, fp32 accumulate; A K-major (kTransA = 0) or
+// M-major (1) and B K-major (kTransB = 0) or N-major (1), both in shared memory. scale_d = 0
+// overwrites D. Each thread holds N/2 accumulators.
 template <int N>
 struct WgmmaBf16;
 
 template <>
 struct WgmmaBf16<128> {
-  template <int kTransB>
+  template <int kTransA, int kTransB>
   __device__ static __forceinline__ void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
     asm volatile(
@@ -174,7 +174,7 @@ struct WgmmaBf16<128> {
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, %67;\n"
+        "%64, %65, p, 1, 1, %67, %68;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
           "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
@@ -187,13 +187,13 @@ struct WgmmaBf16<128> {
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
           "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
           "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 
 template <>
 struct WgmmaBf16<256> {
-  template <int kTransB>
+  template <int kTransA, int kTransB>
   __device__ static __forceinline__ void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {
     asm volatile(
@@ -209,7 +209,7 @@ struct WgmmaBf16<256> {
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, %131;\n"
+        "%128, %129, p, 1, 1, %131, %132;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
           "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
@@ -233,14 +233,14 @@ struct WgmmaBf16<256> {
           "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
           "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 };
 
-template <int N, int kTransB = 0>
+template <int N, int kTransB = 0, int kTransA = 0>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                            int scale_d) {
-  WgmmaBf16<N>::template mma<kTransB>(d, desc_a, desc_b, scale_d);
+  WgmmaBf16<N>::template mma<kTransA, kTransB>(d, desc_a, desc_b, scale_d);
 }
 
 // Moves this warpgroup's register budget up or down (sm_90a); the kernel must be

@@ -1,20 +1,22 @@
-#include "fused/backward_dgrad.h"
+#include "fused/backward.h"
 
 #include "core/error.h"
 #include "kernels/common/combine_rows.h"
+#include "kernels/common/gather_padded.h"
 #include "kernels/common/slot_reduce.h"
 #include "kernels/sm90/grouped_gemm.h"
 
 namespace megamoe::fused {
 
-void backward_dgrad(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_ids,
-                    bool ids_are_int64, const float* topk_weights,
-                    const __nv_bfloat16* w_gate_up, const __nv_bfloat16* w_down, int64_t T,
-                    int64_t k, int64_t H, int64_t I, int64_t E, const DgradBuffers& b,
-                    __nv_bfloat16* dx, float* d_topk_weights, cudaStream_t stream) {
+void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_ids,
+              bool ids_are_int64, const float* topk_weights, const __nv_bfloat16* w_gate_up,
+              const __nv_bfloat16* w_down, int64_t T, int64_t k, int64_t H, int64_t I,
+              int64_t E, const BackwardBuffers& b, __nv_bfloat16* dx, float* d_topk_weights,
+              __nv_bfloat16* d_w_gate_up, __nv_bfloat16* d_w_down, cudaStream_t stream) {
   if (H % 128 || I % 128) throw_invalid("fused backward: H and I must be multiples of 128");
   if (T == 0) return;
   const int64_t slots = T * k;
+  const int64_t padded = padded_rows_bound(slots, E);
   build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGroupedGemmBlockM, b.plan,
                      b.plan_scratch, stream);
 
@@ -36,29 +38,45 @@ void backward_dgrad(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void*
   l1.ldc = 2 * I;
   sm90::grouped_gemm(l1, stream);
 
-  // z = w_down^T dy -> dh and dp partials.
+  // z = w_down^T dy -> dh and a (padded: they feed the weight gradients) and dp partials.
   sm90::GroupedGemmArgs l2 = rows;
   l2.a = dy;
   l2.a_row_index = b.plan.row_token;
   l2.b = w_down;
   l2.k = H;
   l2.n = I;
+  l2.c_padded = true;
+  l2.c_rows = padded;
   sm90::grouped_gemm_swiglu_backward(
-      l2, {b.h, b.dh, topk_weights, b.plan.row_slot, b.dp_partial}, stream);
+      l2, {b.h, b.dh, topk_weights, b.plan.row_slot, b.dp_partial, b.a}, stream);
 
-  // dxs = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H).
+  // dx rows = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H).
   sm90::GroupedGemmArgs l1_dgrad = rows;
   l1_dgrad.a = b.dh;
+  l1_dgrad.a_padded = true;
+  l1_dgrad.a_rows = padded;
   l1_dgrad.b = w_gate_up;
   l1_dgrad.k = 2 * I;
   l1_dgrad.n = H;
   l1_dgrad.c = b.dxs;
   l1_dgrad.ldc = H;
+  l1_dgrad.c_rows = slots;
   sm90::grouped_gemm_b_n_major(l1_dgrad, stream);
 
   combine_rows(b.dxs, H, b.plan.slot_row, nullptr, false, T, k, dx, stream);
   reduce_slot_partials(b.dp_partial, sm90::swiglu_backward_n_tiles(I), b.plan.slot_row, slots,
                        d_topk_weights, stream);
+
+  if (d_w_down != nullptr) {
+    gather_rows_padded(dy, H, b.plan, E, topk_weights, padded, b.dy_p, stream);
+    sm90::grouped_gemm_wgrad({b.dy_p, b.a, padded, H, I, E, b.plan.tile_offsets, d_w_down},
+                             stream);
+  }
+  if (d_w_gate_up != nullptr) {
+    gather_rows_padded(x, H, b.plan, E, nullptr, padded, b.xs, stream);
+    sm90::grouped_gemm_wgrad({b.dh, b.xs, padded, 2 * I, H, E, b.plan.tile_offsets, d_w_gate_up},
+                             stream);
+  }
 }
 
 }  // namespace megamoe::fused
