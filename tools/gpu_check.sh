@@ -50,12 +50,12 @@ sass_check() {
   [ "$hgmma" -gt 0 ] && [ "$spills" -eq 0 ]
 }
 if command -v cuobjdump >/dev/null; then step "SASS check" sass.log sass_check; fi
-# Memory errors and shared-memory races of the fused forward on small problems.
+# Memory errors and shared-memory races of the fused forward and backward on small problems.
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck; do
     step "compute-sanitizer $tool" "sanitizer-$tool.log" timeout 300 compute-sanitizer \
       --tool "$tool" --error-exitcode 1 python3 -m pytest -q -x tests/python/test_fused.py \
-      -k "extra0 or extra1 or extra5"
+      tests/python/test_fused_backward.py -k "extra0 or extra1 or extra5"
   done
 fi
 # shellcheck disable=SC2086

@@ -131,27 +131,52 @@ MEGAMOE_API megamoe_status megamoe_routing_counts(const megamoe_tensor* topk_ids
                                                   void* cuda_stream);
 
 /* ---------------------------------------------------------------------------------------
- * Fused layer on one GPU (sm_90a). Forward only in this version.
+ * Fused layer on one GPU (sm_90a): forward and backward.
  * Device tensors, contiguous: x [T, H] BFLOAT16; topk_ids [T, k] INT32/INT64 with ids in
  * [-1, E) (other ids are counted as invalid and contribute nothing: check them before the
- * call); topk_weights [T, k] FLOAT32 or BFLOAT16; w_gate_up [E, 2I, H] and w_down
- * [E, H, I] BFLOAT16; y [T, H] BFLOAT16. H and I must be multiples of 128; 1 <= k <= 16.
- * `workspace` is device memory of at least megamoe_fused_workspace_size() bytes, aligned
- * to 256 bytes; its contents need no initialisation. No host sync; capturable in a CUDA
- * graph; y is bitwise reproducible run to run.
+ * call); topk_weights [T, k] FLOAT32 or BFLOAT16 (the backward takes FLOAT32 only);
+ * w_gate_up [E, 2I, H] and w_down [E, H, I] BFLOAT16; y, dy, dx [T, H] BFLOAT16. H and I
+ * must be multiples of 128; 1 <= k <= 16; 1 <= E <= 1024. `workspace` is device memory of
+ * at least the size query's bytes, aligned to 256 bytes; its contents need no
+ * initialisation and do not outlive the call. No host sync; capturable in a CUDA graph;
+ * every output is bitwise reproducible run to run.
  * ------------------------------------------------------------------------------------- */
 
 MEGAMOE_API megamoe_status megamoe_fused_workspace_size(int64_t tokens, int64_t topk,
                                                         int64_t hidden, int64_t intermediate,
                                                         int64_t num_experts, size_t* bytes);
 
+/* y = sum_j p_j FFN_{e_j}(x). saved_h: NULL, or a BFLOAT16 [T*k, 2I] tensor that receives
+ * the L1 output [gate | up] of every (token, expert) row, in the layer's internal
+ * expert-sorted order; pass it to megamoe_fused_backward with the same topk_ids to skip
+ * the backward's recompute of L1 (the "saved" mode). */
 MEGAMOE_API megamoe_status megamoe_fused_forward(const megamoe_tensor* x,
                                                  const megamoe_tensor* topk_ids,
                                                  const megamoe_tensor* topk_weights,
                                                  const megamoe_tensor* w_gate_up,
                                                  const megamoe_tensor* w_down,
-                                                 megamoe_tensor* y, void* workspace,
-                                                 size_t workspace_bytes, void* cuda_stream);
+                                                 megamoe_tensor* y, megamoe_tensor* saved_h,
+                                                 void* workspace, size_t workspace_bytes,
+                                                 void* cuda_stream);
+
+/* h_saved: nonzero when the backward will be given saved_h (it then needs less). */
+MEGAMOE_API megamoe_status megamoe_fused_backward_workspace_size(int64_t tokens, int64_t topk,
+                                                                 int64_t hidden,
+                                                                 int64_t intermediate,
+                                                                 int64_t num_experts,
+                                                                 int32_t h_saved, size_t* bytes);
+
+/* Gradients of <dy, y>. saved_h: NULL (L1 is recomputed from x) or what
+ * megamoe_fused_forward wrote for the same inputs. Outputs, each NULL to skip it:
+ * dx [T, H] BFLOAT16 and d_topk_weights [T, k] FLOAT32 (0 for an id of -1) are written;
+ * d_w_gate_up [E, 2I, H] and d_w_down [E, H, I] are written when BFLOAT16 (zeros for an
+ * expert without tokens) and added into when FLOAT32 (a gradient-accumulation buffer). */
+MEGAMOE_API megamoe_status megamoe_fused_backward(
+    const megamoe_tensor* dy, const megamoe_tensor* x, const megamoe_tensor* topk_ids,
+    const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
+    const megamoe_tensor* w_down, const megamoe_tensor* saved_h, megamoe_tensor* dx,
+    megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down,
+    void* workspace, size_t workspace_bytes, void* cuda_stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,4 +1,7 @@
-"""backend="fused" on one GPU as a torch custom op (forward only in this version)."""
+"""backend="fused" on one GPU as torch custom ops: the forward, the backward, and their
+autograd link. Backward modes: "recompute" (the forward keeps only its inputs; L1 is
+recomputed) and "saved" (the forward also writes the L1 output h [T*k, 2I], which the
+backward reads instead: more memory, less work)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from torch import Tensor
 
 from . import _lib
 
+BACKWARD_MODES = ("recompute", "saved")
+
 
 @functools.lru_cache(maxsize=64)
 def workspace_bytes(T: int, k: int, H: int, I: int, E: int) -> int:
@@ -18,24 +23,114 @@ def workspace_bytes(T: int, k: int, H: int, I: int, E: int) -> int:
     return size.value
 
 
+@functools.lru_cache(maxsize=64)
+def backward_workspace_bytes(T: int, k: int, H: int, I: int, E: int, h_saved: bool) -> int:
+    size = ctypes.c_size_t()
+    _lib.call("megamoe_fused_backward_workspace_size", T, k, H, I, E, int(h_saved),
+              ctypes.byref(size))
+    return size.value
+
+
+def _sizes(x: Tensor, topk_ids: Tensor, w_gate_up: Tensor):
+    T, H = x.shape
+    E, two_I, _ = w_gate_up.shape
+    return T, topk_ids.shape[1], H, two_I // 2, E
+
+
+def _stream(device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _workspace(nbytes: int, device) -> Tensor:
+    # The caching allocator hands out 512-byte aligned blocks; no initialisation needed.
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _empty_h(x: Tensor) -> Tensor:
+    return x.new_empty((0,))
+
+
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
-                      w_down: Tensor) -> Tensor:
-    T, H = x.shape
-    k = topk_ids.shape[1]
-    E, two_I, _ = w_gate_up.shape
+                      w_down: Tensor, save_h: bool) -> tuple[Tensor, Tensor]:
+    """y, and h (the L1 output in expert-sorted rows) when save_h, else an empty tensor."""
+    T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
     y = torch.empty_like(x)
+    h = x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x)
     with torch.cuda.device(x.device):
-        nbytes = workspace_bytes(T, k, H, two_I // 2, E)
-        # The caching allocator hands out 512-byte aligned blocks; no initialisation needed.
-        workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        nbytes = workspace_bytes(T, k, H, I, E)
+        workspace = _workspace(nbytes, x.device)
         d = [_lib.describe(t) for t in (x, topk_ids, topk_weights, w_gate_up, w_down, y)]
-        stream = torch.cuda.current_stream(x.device).cuda_stream
+        d.append(_lib.describe(h) if save_h else None)
         _lib.call("megamoe_fused_forward", *(_lib.ref(v) for v in d),
-                  ctypes.c_void_p(workspace.data_ptr()), nbytes, ctypes.c_void_p(stream))
-    return y
+                  ctypes.c_void_p(workspace.data_ptr()), nbytes, _stream(x.device))
+    return y, h
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w_gate_up, w_down):
-    return torch.empty_like(x)
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h):
+    T, k, _, I, _ = _sizes(x, topk_ids, w_gate_up)
+    return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
+
+
+@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=())
+def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                       w_gate_up: Tensor, w_down: Tensor, saved_h: Tensor,
+                       needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx, d topk_weights (fp32), d w_gate_up, d w_down; `needs` says which to compute (an
+    empty tensor stands for the others). saved_h: the forward's h, or empty to recompute.
+    topk_weights must be fp32."""
+    T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
+    h_saved = saved_h.numel() > 0
+    grads = [torch.empty_like(x), torch.empty((T, k), dtype=torch.float32, device=x.device),
+             torch.empty_like(w_gate_up), torch.empty_like(w_down)]
+    grads = [g if need else g.new_empty((0,)) for g, need in zip(grads, needs)]
+    with torch.cuda.device(x.device):
+        nbytes = backward_workspace_bytes(T, k, H, I, E, h_saved)
+        workspace = _workspace(nbytes, x.device)
+        d = [_lib.describe(t) for t in (dy, x, topk_ids, topk_weights, w_gate_up, w_down)]
+        d.append(_lib.describe(saved_h) if h_saved else None)
+        d += [_lib.describe(g) if need else None for g, need in zip(grads, needs)]
+        _lib.call("megamoe_fused_backward", *(_lib.ref(v) for v in d),
+                  ctypes.c_void_p(workspace.data_ptr()), nbytes, _stream(x.device))
+    return tuple(grads)
+
+
+@fused_moe_backward.register_fake
+def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs):
+    T, k = topk_ids.shape
+    grads = [torch.empty_like(x), x.new_empty((T, k), dtype=torch.float32),
+             torch.empty_like(w_gate_up), torch.empty_like(w_down)]
+    return tuple(g if need else g.new_empty((0,)) for g, need in zip(grads, needs))
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w_gate_up, w_down, _ = inputs
+    _, h = output
+    ctx.mark_non_differentiable(h)
+    ctx.weights_dtype = topk_weights.dtype
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, h)
+
+
+def _backward(ctx, dy, _dh):
+    x, topk_ids, topk_weights, w_gate_up, w_down, h = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
+    dx, dp, dw1, dw2 = fused_moe_backward(
+        dy.to(x.dtype).contiguous(), x, topk_ids, topk_weights.float().contiguous(), w_gate_up,
+        w_down, h, needs)
+    return (dx if needs[0] else None, None,
+            dp.to(ctx.weights_dtype) if needs[1] else None,
+            dw1 if needs[2] else None, dw2 if needs[3] else None, None)
+
+
+fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
+              w_down: Tensor, backward_mode: str = "recompute") -> Tensor:
+    """The fused layer on one GPU, differentiable; h is kept only in the "saved" mode and
+    only when a backward can follow."""
+    save_h = backward_mode == "saved" and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
+    y, _ = fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h)
+    return y

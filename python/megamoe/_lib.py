@@ -85,7 +85,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.megamoe_fused_workspace_size.restype = ctypes.c_int
     lib.megamoe_fused_workspace_size.argtypes = [ctypes.c_int64] * 5 + [ctypes.POINTER(ctypes.c_size_t)]
     lib.megamoe_fused_forward.restype = ctypes.c_int
-    lib.megamoe_fused_forward.argtypes = [_PTR] * 6 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.megamoe_fused_forward.argtypes = [_PTR] * 7 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.megamoe_fused_backward_workspace_size.restype = ctypes.c_int
+    lib.megamoe_fused_backward_workspace_size.argtypes = (
+        [ctypes.c_int64] * 5 + [ctypes.c_int32, ctypes.POINTER(ctypes.c_size_t)])
+    lib.megamoe_fused_backward.restype = ctypes.c_int
+    lib.megamoe_fused_backward.argtypes = [_PTR] * 11 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 @functools.cache

@@ -48,7 +48,11 @@ def _draw_panel(ax, rows: list[dict]) -> None:
     for i, row in enumerate(rows):
         if row["status"].startswith("skipped"):
             ax.text(i, 0, " skipped", ha="center", va="bottom", rotation=90, fontsize=8)
-    ax.set_xticks(range(len(rows)), [row["backend"] for row in rows])
+    ax.set_xticks(range(len(rows)), [_label(row) for row in rows])
+
+
+def _label(row: dict) -> str:
+    return f"{row['backend']}\n{row['backward_mode']}" if row["backend"] == "fused" else row["backend"]
 
 
 def _title(results: dict) -> str:

@@ -32,13 +32,15 @@ from pathlib import Path
 import torch
 
 import megamoe
+from megamoe._fused_op import BACKWARD_MODES as FUSED_BACKWARD_MODES
 from megamoe.presets import PRESETS, MoEShape, get_preset
 from megamoe.routing import ROUTING_MODES, make_routing
 
 KNOWN_BACKENDS = ("torch", "fused", "reference")
 # How each backend produces its backward, recorded with every row so that numbers from
-# different backward strategies are not compared unawares.
-BACKWARD_MODE = {"torch": "autograd", "reference": "recompute", "fused": "recompute"}
+# different backward strategies are not compared unawares. The fused backend has two
+# (--fused-backward-modes): "recompute" (L1 recomputed) and "saved" (L1 output kept).
+BACKWARD_MODE = {"torch": "autograd", "reference": "recompute"}
 # Backends that can run on CPU tensors; the others are reported as skipped in a CPU run.
 CPU_BACKENDS = ("reference",)
 # Backends that take an expert-parallel group; the others are skipped when --ep > 1.
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", action="append", default=None,
                         help="tokens per rank, repeatable or comma-separated (default 16384; CPU run: 256)")
     parser.add_argument("--routing", choices=ROUTING_MODES, default="random")
+    parser.add_argument("--fused-backward-modes", default=",".join(FUSED_BACKWARD_MODES),
+                        help="backward modes of the fused backend, one row each, from "
+                             f"{', '.join(FUSED_BACKWARD_MODES)} (default both)")
     parser.add_argument("--precision", default="bf16", help="passed to megamoe.moe (default bf16)")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel ranks; >1 must run under torchrun --nproc-per-node N")
@@ -126,6 +131,11 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if unknown or not args.backends:
         parser.error(f"unknown backend(s) {', '.join(unknown) or '(none given)'}; "
                      f"valid backends: {', '.join(KNOWN_BACKENDS)}")
+    args.fused_backward_modes = list(dict.fromkeys(_split_commas([args.fused_backward_modes])))
+    bad_modes = [m for m in args.fused_backward_modes if m not in FUSED_BACKWARD_MODES]
+    if bad_modes or not args.fused_backward_modes:
+        parser.error(f"--fused-backward-modes: unknown mode(s) {', '.join(bad_modes) or '(none given)'}; "
+                     f"valid: {', '.join(FUSED_BACKWARD_MODES)}")
     try:
         args.shapes = [get_preset(name) for name in args.model]
     except ValueError as error:
@@ -320,18 +330,20 @@ def time_forward(call, weights, input_sets, iterations: int, clock) -> tuple[lis
 
 
 def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, clock,
-                      forward_only: bool = False):
+                      forward_only: bool = False, backward_mode: str | None = None):
     """(fwd median ms, bwd median ms) over args.iters timed iterations; with EP, the max
     over ranks of each rank's medians (the slowest rank sets the step time). With
-    forward_only, the forward runs under torch.no_grad() and bwd is None."""
+    forward_only, the forward runs under torch.no_grad() and bwd is None. backward_mode:
+    the fused backend's (passed to megamoe.moe)."""
     w_gate_up, w_down = weights
+    extra = {} if backward_mode is None else {"backward_mode": backward_mode}
 
     def call(inputs: InputSet):
         # The ids are valid by construction; check_ids=False leaves out the range check's
         # host sync, which would otherwise stall every backend's forward alike.
         return megamoe.moe(inputs.x, inputs.topk_ids, inputs.topk_weights, w_gate_up, w_down,
                            group=run.group, precision=args.precision, backend=backend,
-                           check_ids=False)
+                           check_ids=False, **extra)
 
     timer = time_forward if forward_only else time_forward_backward
     timer(call, weights, input_sets, args.warmup, clock)
@@ -353,12 +365,13 @@ def _max_over_ranks(values: list[float], run: RunContext) -> list[float]:
 # ---------------------------------------------------------------- rows
 
 
-def make_row(shape: MoEShape, num_tokens: int, backend: str, args, dtype) -> dict:
+def make_row(shape: MoEShape, num_tokens: int, backend: str, args, dtype,
+             backward_mode: str) -> dict:
     return {
         "model": shape.name, "H": shape.H, "I": shape.I, "E": shape.E, "k": shape.k,
         "tokens_per_rank": num_tokens, "ep": args.ep, "backend": backend,
         "precision": args.precision, "dtype": str(dtype).removeprefix("torch."),
-        "routing": args.routing, "backward_mode": BACKWARD_MODE[backend],
+        "routing": args.routing, "backward_mode": backward_mode,
         "fwd_ms": None, "bwd_ms": None, "fwd_bwd_ms": None, "full_layer_ms": None,
         "fwd_tflops": None, "pct_of_peak": None,
         "speedup_fwd_vs_torch": None, "speedup_full_vs_torch": None,
@@ -406,22 +419,25 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
     input_sets = build_input_sets(shape, num_tokens, args.routing, args.input_sets, dtype,
                                   run.device, generator)
     rows = []
-    for backend in args.backends:
-        row = make_row(shape, num_tokens, backend, args, dtype)
-        label = f"{shape.name} T={num_tokens}/rank ep={args.ep} {backend}"
+    for backend, mode in backend_variants(args):
+        row = make_row(shape, num_tokens, backend, args, dtype, mode)
+        fused_mode = mode if backend == "fused" else None
+        label = f"{shape.name} T={num_tokens}/rank ep={args.ep} {backend}" + (
+            f" ({mode})" if fused_mode else "")
         if not run.is_cuda and backend not in CPU_BACKENDS:
             row["status"] = f"skipped: backend {backend!r} needs a CUDA GPU (this is a CPU run)"
         elif run.world_size > 1 and backend not in EP_BACKENDS:
             row["status"] = f"skipped: backend {backend!r} takes no expert-parallel group"
         else:
             try:
-                fwd_ms, bwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock)
+                fwd_ms, bwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
+                                                   backward_mode=fused_mode)
                 fill_timings(row, shape, fwd_ms, bwd_ms, peak_tflops)
             except NotImplementedError as error:  # megamoe.NotBuiltError included
                 # A backend whose backward is not built yet still has a forward to time.
                 try:
                     fwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
-                                               forward_only=True)[0]
+                                               forward_only=True, backward_mode=fused_mode)[0]
                     fill_timings(row, shape, fwd_ms, None, peak_tflops)
                     row["status"] = "forward only"
                     row["backward_mode"] = None
@@ -440,6 +456,15 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
     if run.is_cuda:
         torch.cuda.empty_cache()
     return rows
+
+
+def backend_variants(args) -> list[tuple[str, str]]:
+    """(backend, backward mode) of each row: the fused backend once per requested mode."""
+    variants = []
+    for backend in args.backends:
+        modes = args.fused_backward_modes if backend == "fused" else [BACKWARD_MODE[backend]]
+        variants += [(backend, mode) for mode in modes]
+    return variants
 
 
 def _free_gradients(weights, input_sets) -> None:
@@ -492,6 +517,7 @@ def describe_run(args, run: RunContext, argv: list[str], peak_tflops) -> dict:
         "settings": {
             "backends": args.backends, "models": args.model, "tokens_per_rank": args.tokens,
             "routing": args.routing, "precision": args.precision, "ep": args.ep,
+            "fused_backward_modes": args.fused_backward_modes,
             "iters": args.iters, "warmup": args.warmup, "input_sets": args.input_sets,
             "seed": args.seed, "check_ids": False,
         },
@@ -551,7 +577,8 @@ def git_commit() -> str:
 
 TABLE_COLUMNS = (
     ("model", "model", str), ("tokens/rank", "tokens_per_rank", str), ("ep", "ep", str),
-    ("backend", "backend", str), ("precision", "precision", str), ("routing", "routing", str),
+    ("backend", "backend", str), ("bwd mode", "backward_mode", str),
+    ("precision", "precision", str), ("routing", "routing", str),
     ("fwd ms", "fwd_ms", "{:.3f}"), ("bwd ms", "bwd_ms", "{:.3f}"),
     ("fwd+bwd ms", "fwd_bwd_ms", "{:.3f}"), ("full layer ms", "full_layer_ms", "{:.3f}"),
     ("fwd TFLOP/s", "fwd_tflops", "{:.3g}"), ("% peak", "pct_of_peak", "{:.1f}"),
@@ -574,7 +601,7 @@ def format_table(rows: list[dict]) -> str:
 
     def line(cells):
         # The last column (status) is left unpadded: skip messages can be long.
-        padded = [c.rjust(w) if i >= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(cells[:-1], widths))]
+        padded = [c.rjust(w) if i >= 7 else c.ljust(w) for i, (c, w) in enumerate(zip(cells[:-1], widths))]
         return "  ".join(padded + [cells[-1]])
 
     rule = "-" * (sum(widths[:-1]) + 2 * (len(widths) - 1) + len("status"))

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from . import _validate, torch_backend
-from ._fused_op import fused_moe_forward
+from ._fused_op import BACKWARD_MODES, fused_moe
 from ._reference_op import reference_moe
 from .errors import MegaMoEError, NotBuiltError
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         w_gate_up: torch.Tensor, w_down: torch.Tensor, group=None, buffer=None,
-        precision: str = "bf16", backend: str = "fused", *, check_ids: bool | None = None
-        ) -> torch.Tensor:
+        precision: str = "bf16", backend: str = "fused", *, check_ids: bool | None = None,
+        backward_mode: str = "recompute") -> torch.Tensor:
     """The expert part of a Mixture-of-Experts layer: y = sum_j p_j * FFN_{e_j}(x).
 
     Args:
@@ -30,16 +30,16 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         backend: "fused" | "torch" (TorchTitan-style baseline) | "reference".
         check_ids: check that ids lie in [-1, E_total) (one host sync). Default: checked,
             except while torch.compile traces or a CUDA graph is captured.
+        backward_mode: backend="fused" only. "recompute" (default): the forward keeps only
+            its inputs and the backward recomputes L1. "saved": the forward also keeps the
+            L1 output (T*k*2I values of x's dtype) and the backward skips that GEMM.
 
     Returns y [T, H] in x's dtype. Gradients flow to x, topk_weights, w_gate_up, w_down.
     """
     _validate.check_backend_and_precision(backend, precision)
     problem = _validate.check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend)
-    if backend == "fused" and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, topk_weights, w_gate_up, w_down)):
-        raise NotBuiltError("backend='fused' has a forward only in this version: its backward is "
-                            "not built yet. Run it under torch.no_grad() (inference), or use "
-                            "backend='torch' for training")
+    if backward_mode not in BACKWARD_MODES:
+        raise MegaMoEError(f"backward_mode: expected one of {BACKWARD_MODES}, got {backward_mode!r}")
     if buffer is not None:
         raise NotBuiltError("buffer= belongs to the fused expert-parallel backend, which is not "
                             "built yet; the 'torch' and 'reference' backends take no buffer")
@@ -50,5 +50,5 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if backend == "reference":
         return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
     if backend == "fused":
-        return fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down)
+        return fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, backward_mode)
     raise MegaMoEError(f"unhandled backend {backend!r}")  # unreachable: validated above

@@ -1,16 +1,14 @@
-// The fused backward (dx, d topk_weights, d w_gate_up, d w_down) on a GPU against the
-// float64 CPU reference on the same bf16-rounded inputs. Skipped without a GPU.
+// The fused backward through its C ABI (dx, d topk_weights, d w_gate_up, d w_down; the
+// recompute and the saved-h modes; bf16 weight gradients written or fp32 ones accumulated)
+// on a GPU against the float64 CPU reference on the same bf16-rounded inputs. Skipped
+// without a GPU.
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "fused/backward.h"
-#include "kernels/common/gather_padded.h"
 #include "gpu_test_util.h"
-#include "kernels/common/routing_plan.h"
-#include "kernels/sm90/grouped_gemm.h"
 #include "test_util.h"
 
 namespace {
@@ -43,19 +41,41 @@ std::vector<uint16_t> round_to_bf16(megamoe_test::Tensor& t) {
   return bits;
 }
 
+// A contiguous device tensor descriptor.
+megamoe_tensor device_tensor(void* data, megamoe_dtype dtype, std::vector<int64_t> shape) {
+  megamoe_tensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.shape[d] = shape[d];
+    t.strides[d] = stride;
+    stride *= shape[d];
+  }
+  return t;
+}
+
+enum class Mode { kRecompute, kSaved };
+enum class WeightGrads { kBf16, kAccumulateF32 };
+constexpr float kAccumulatorStart = 0.5f;  // what the fp32 gradient buffers hold before
+
 class FusedBackwardGpu : public GpuTest {
  protected:
   struct Result {
     std::vector<uint16_t> dx;
     std::vector<float> dp;
-    std::vector<uint16_t> dw1, dw2;
+    std::vector<double> dw1, dw2;
   };
 
-  Result run(megamoe_test::Problem& p) {
+  // Device copies of a problem's inputs, rounded to bf16 (and fp32 router weights).
+  struct Inputs {
+    megamoe_tensor x, dy, ids, weights, w1, w2;
+  };
+
+  Inputs upload_inputs(megamoe_test::Problem& p) {
     const Dims d = p.d;
     const int64_t slots = d.T * d.k;
-    std::vector<uint16_t> x = round_to_bf16(p.x), dy = round_to_bf16(p.dy),
-                          w1 = round_to_bf16(p.w_gate_up), w2 = round_to_bf16(p.w_down);
     std::vector<int32_t> ids(slots);
     std::vector<float> weights(slots);
     for (int64_t s = 0; s < slots; ++s) {
@@ -63,64 +83,105 @@ class FusedBackwardGpu : public GpuTest {
       weights[s] = static_cast<float>(p.weights.get(s));
       p.weights.set(s, weights[s]);
     }
-    const int64_t padded = megamoe::padded_rows_bound(slots, d.E);
-    auto bf16_buffer = [&](int64_t n) {
-      auto* q = alloc<uint16_t>(n);
-      EXPECT_EQ(cudaMemset(q, 0xFF, n * 2), cudaSuccess);  // NaN: a read of unwritten rows shows
-      return reinterpret_cast<__nv_bfloat16*>(q);
-    };
-    megamoe::fused::BackwardBuffers b{};
-    b.plan = {alloc<int32_t>(d.E), alloc<int32_t>(d.E + 1), alloc<int32_t>(d.E + 1),
-              alloc<int32_t>(slots), alloc<int32_t>(slots), alloc<int32_t>(slots),
-              alloc<int32_t>(1)};
-    b.plan_scratch = device_alloc(megamoe::routing_plan_scratch_bytes(slots, d.E));
-    b.h = bf16_buffer(slots * 2 * d.I);
-    b.dh = bf16_buffer(padded * 2 * d.I);
-    b.a = bf16_buffer(padded * d.I);
-    b.dxs = bf16_buffer(slots * d.H);
-    b.dy_p = bf16_buffer(padded * d.H);
-    b.xs = bf16_buffer(padded * d.H);
-    b.dp_partial = alloc<float>(slots * megamoe::sm90::swiglu_backward_n_tiles(d.I));
-    auto* dx = bf16_buffer(d.T * d.H);
-    auto* dw1 = bf16_buffer(d.E * 2 * d.I * d.H);
-    auto* dw2 = bf16_buffer(d.E * d.H * d.I);
-    auto* dp = alloc<float>(slots);
-    EXPECT_EQ(cudaMemset(dp, 0xFF, slots * 4), cudaSuccess);
-    const auto bf = [](const uint16_t* q) { return reinterpret_cast<const __nv_bfloat16*>(q); };
-    megamoe::fused::backward(bf(upload(dy)), bf(upload(x)), upload(ids), false, upload(weights),
-                             bf(upload(w1)), bf(upload(w2)), d.T, d.k, d.H, d.I, d.E, b, dx, dp,
-                             dw1, dw2, stream_);
+    const auto bf16 = MEGAMOE_DTYPE_BFLOAT16;
+    return {device_tensor(upload(round_to_bf16(p.x)), bf16, {d.T, d.H}),
+            device_tensor(upload(round_to_bf16(p.dy)), bf16, {d.T, d.H}),
+            device_tensor(upload(ids), MEGAMOE_DTYPE_INT32, {d.T, d.k}),
+            device_tensor(upload(weights), MEGAMOE_DTYPE_FLOAT32, {d.T, d.k}),
+            device_tensor(upload(round_to_bf16(p.w_gate_up)), bf16, {d.E, 2 * d.I, d.H}),
+            device_tensor(upload(round_to_bf16(p.w_down)), bf16, {d.E, d.H, d.I})};
+  }
+
+  // Poisoned (NaN) device memory: a read of an unwritten element shows.
+  void* poisoned(size_t bytes) {
+    void* q = device_alloc(bytes);
+    EXPECT_EQ(cudaMemset(q, 0xFF, bytes), cudaSuccess);
+    return q;
+  }
+
+  Result run(const Dims& d, const Inputs& in, Mode mode, WeightGrads wg) {
+    const int64_t slots = d.T * d.k;
+    megamoe_tensor saved_h{};
+    if (mode == Mode::kSaved) {  // the forward writes h next to y
+      size_t fwd_bytes = 0;
+      EXPECT_EQ(megamoe_fused_workspace_size(d.T, d.k, d.H, d.I, d.E, &fwd_bytes),
+                MEGAMOE_SUCCESS);
+      megamoe_tensor y =
+          device_tensor(poisoned(d.T * d.H * 2), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
+      saved_h = device_tensor(poisoned(slots * 2 * d.I * 2), MEGAMOE_DTYPE_BFLOAT16,
+                              {slots, 2 * d.I});
+      EXPECT_EQ(megamoe_fused_forward(&in.x, &in.ids, &in.weights, &in.w1, &in.w2, &y, &saved_h,
+                                      poisoned(fwd_bytes), fwd_bytes, stream_),
+                MEGAMOE_SUCCESS)
+          << megamoe_last_error();
+    }
+    size_t bytes = 0;
+    EXPECT_EQ(megamoe_fused_backward_workspace_size(d.T, d.k, d.H, d.I, d.E,
+                                                    mode == Mode::kSaved, &bytes),
+              MEGAMOE_SUCCESS);
+    const int64_t n1 = d.E * 2 * d.I * d.H, n2 = d.E * d.H * d.I;
+    megamoe_tensor dx = device_tensor(poisoned(d.T * d.H * 2), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
+    megamoe_tensor dp = device_tensor(poisoned(slots * 4), MEGAMOE_DTYPE_FLOAT32, {d.T, d.k});
+    megamoe_tensor dw1, dw2;
+    if (wg == WeightGrads::kBf16) {
+      dw1 = device_tensor(poisoned(n1 * 2), MEGAMOE_DTYPE_BFLOAT16, {d.E, 2 * d.I, d.H});
+      dw2 = device_tensor(poisoned(n2 * 2), MEGAMOE_DTYPE_BFLOAT16, {d.E, d.H, d.I});
+    } else {
+      dw1 = device_tensor(upload(std::vector<float>(n1, kAccumulatorStart)), MEGAMOE_DTYPE_FLOAT32,
+                          {d.E, 2 * d.I, d.H});
+      dw2 = device_tensor(upload(std::vector<float>(n2, kAccumulatorStart)), MEGAMOE_DTYPE_FLOAT32,
+                          {d.E, d.H, d.I});
+    }
+    EXPECT_EQ(megamoe_fused_backward(&in.dy, &in.x, &in.ids, &in.weights, &in.w1, &in.w2,
+                                     mode == Mode::kSaved ? &saved_h : nullptr, &dx, &dp, &dw1,
+                                     &dw2, poisoned(bytes), bytes, stream_),
+              MEGAMOE_SUCCESS)
+        << megamoe_last_error();
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-    const auto bits = [](__nv_bfloat16* q) { return reinterpret_cast<const uint16_t*>(q); };
-    return {download(bits(dx), d.T * d.H), download(dp, slots),
-            download(bits(dw1), d.E * 2 * d.I * d.H), download(bits(dw2), d.E * d.H * d.I)};
+    Result r{download(static_cast<const uint16_t*>(dx.data), d.T * d.H),
+             download(static_cast<const float*>(dp.data), slots), {}, {}};
+    const auto values = [&](const megamoe_tensor& g, int64_t n) {
+      std::vector<double> v(n);
+      if (wg == WeightGrads::kBf16) {
+        const auto bits = download(static_cast<const uint16_t*>(g.data), n);
+        for (int64_t i = 0; i < n; ++i) v[i] = bf16_value(bits[i]);
+      } else {  // what was added
+        const auto f = download(static_cast<const float*>(g.data), n);
+        for (int64_t i = 0; i < n; ++i) v[i] = double(f[i]) - kAccumulatorStart;
+      }
+      return v;
+    };
+    r.dw1 = values(dw1, n1);
+    r.dw2 = values(dw2, n2);
+    return r;
   }
 
   void check(Dims d, int64_t used_experts, double p_none, uint64_t seed) {
     SEEDED(seed);
     std::mt19937_64 rng(seed);
     megamoe_test::Problem p = megamoe_test::random_problem(rng, d, used_experts, p_none);
-    const Result got = run(p);
-    const Result again = run(p);
+    const Inputs in = upload_inputs(p);
+    const Result got = run(d, in, Mode::kRecompute, WeightGrads::kBf16);
+    const Result again = run(d, in, Mode::kRecompute, WeightGrads::kBf16);
     EXPECT_EQ(got.dx, again.dx) << "dx not bitwise reproducible";
     EXPECT_EQ(got.dw1, again.dw1) << "d w_gate_up not bitwise reproducible";
     EXPECT_EQ(got.dw2, again.dw2) << "d w_down not bitwise reproducible";
     EXPECT_EQ(std::memcmp(got.dp.data(), again.dp.data(), got.dp.size() * 4), 0)
         << "d topk_weights not bitwise reproducible";
+    // The forward's saved h is the recompute's h bit for bit (same GEMM, same K order).
+    const Result saved = run(d, in, Mode::kSaved, WeightGrads::kBf16);
+    EXPECT_EQ(saved.dx, got.dx) << "saved mode differs from recompute mode";
+    EXPECT_EQ(saved.dw1, got.dw1) << "saved mode differs from recompute mode";
+    EXPECT_EQ(saved.dw2, got.dw2) << "saved mode differs from recompute mode";
 
     megamoe_test::Grads ref = megamoe_test::make_grads(p, MEGAMOE_DTYPE_FLOAT64);
     ASSERT_EQ(megamoe_test::backward(p, ref), MEGAMOE_SUCCESS) << megamoe_last_error();
     std::vector<double> dx(got.dx.size()), dp(got.dp.begin(), got.dp.end());
     for (size_t i = 0; i < dx.size(); ++i) dx[i] = bf16_value(got.dx[i]);
-    const auto as_double = [](const std::vector<uint16_t>& q) {
-      std::vector<double> v(q.size());
-      for (size_t i = 0; i < q.size(); ++i) v[i] = bf16_value(q[i]);
-      return v;
-    };
     const double err_dx = megamoe_test::rel_error(dx, ref.dx.values());
     const double err_dp = megamoe_test::rel_error(dp, ref.dw.values());
-    const double err_dw1 = megamoe_test::rel_error(as_double(got.dw1), ref.dw1.values());
-    const double err_dw2 = megamoe_test::rel_error(as_double(got.dw2), ref.dw2.values());
+    const double err_dw1 = megamoe_test::rel_error(got.dw1, ref.dw1.values());
+    const double err_dw2 = megamoe_test::rel_error(got.dw2, ref.dw2.values());
     std::printf("T=%ld H=%ld I=%ld E=%ld k=%ld: dx %.3e, d topk_weights %.3e, d w_gate_up %.3e, "
                 "d w_down %.3e\n", long(d.T), long(d.H), long(d.I), long(d.E), long(d.k),
                 err_dx, err_dp, err_dw1, err_dw2);
@@ -129,15 +190,23 @@ class FusedBackwardGpu : public GpuTest {
     EXPECT_LT(err_dw1, 1e-2);
     EXPECT_LT(err_dw2, 1e-2);
     // Experts without tokens get exactly zero weight gradients.
-    const std::vector<double> dw2_all = as_double(got.dw2);
     for (int64_t e = used_experts; e < d.E; ++e) {
-      for (int64_t i = 0; i < d.H * d.I; ++i) ASSERT_EQ(dw2_all[e * d.H * d.I + i], 0.0) << e;
+      for (int64_t i = 0; i < d.H * d.I; ++i) ASSERT_EQ(got.dw2[e * d.H * d.I + i], 0.0) << e;
     }
     for (int64_t s = 0; s < d.T * d.k; ++s) {
       if (p.ids.get(s) < 0) {
         EXPECT_EQ(got.dp[s], 0.0f) << "slot " << s;
       }
     }
+    // fp32 accumulation adds the unrounded fp32 gradient: within bf16 rounding of the
+    // written one, and as accurate.
+    const Result acc = run(d, in, Mode::kRecompute, WeightGrads::kAccumulateF32);
+    const double acc_dw1 = megamoe_test::rel_error(acc.dw1, ref.dw1.values());
+    const double acc_dw2 = megamoe_test::rel_error(acc.dw2, ref.dw2.values());
+    std::printf("  fp32-accumulated: d w_gate_up %.3e, d w_down %.3e\n", acc_dw1, acc_dw2);
+    EXPECT_LT(acc_dw1, 1e-2);
+    EXPECT_LT(acc_dw2, 1e-2);
+    EXPECT_LT(megamoe_test::rel_error(acc.dw1, got.dw1), 1e-2);
   }
 };
 
@@ -146,6 +215,55 @@ TEST_F(FusedBackwardGpu, MatchesReference) {
   check({300, 256, 128, 8, 2}, 7, 0.1, seed);        // one expert without tokens, -1 ids
   check({1000, 512, 256, 16, 4}, 16, 0.05, seed + 1);  // wide tiles everywhere
   check({129, 256, 384, 4, 1}, 4, 0.0, seed + 2);    // I = 384: 128-wide dgrad tiles
+  check({1, 128, 128, 8, 8}, 8, 0.0, seed + 3);      // one token over all experts
+}
+
+TEST_F(FusedBackwardGpu, NoTokensZeroesBf16WeightGradients) {
+  const Dims d{0, 128, 128, 4, 2};
+  std::mt19937_64 rng(1);
+  megamoe_test::Problem p = megamoe_test::random_problem(rng, d, 4, 0.0);
+  const Inputs in = upload_inputs(p);
+  const Result r = run(d, in, Mode::kRecompute, WeightGrads::kBf16);
+  for (double v : r.dw1) ASSERT_EQ(v, 0.0);
+  for (double v : r.dw2) ASSERT_EQ(v, 0.0);
+  const Result acc = run(d, in, Mode::kRecompute, WeightGrads::kAccumulateF32);
+  for (double v : acc.dw1) ASSERT_EQ(v, 0.0);  // nothing added
+}
+
+TEST_F(FusedBackwardGpu, RejectsBadArguments) {
+  const Dims d{16, 128, 128, 4, 2};
+  std::mt19937_64 rng(2);
+  megamoe_test::Problem p = megamoe_test::random_problem(rng, d, 4, 0.0);
+  Inputs in = upload_inputs(p);
+  size_t bytes = 0;
+  ASSERT_EQ(megamoe_fused_backward_workspace_size(d.T, d.k, d.H, d.I, d.E, 0, &bytes),
+            MEGAMOE_SUCCESS);
+  void* ws = device_alloc(bytes);
+  megamoe_tensor dx = device_tensor(alloc<uint16_t>(d.T * d.H), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
+  const auto expect_error = [&](megamoe_status st, const char* fragment) {
+    EXPECT_EQ(st, MEGAMOE_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(megamoe_last_error()).find(fragment), std::string::npos)
+        << megamoe_last_error();
+  };
+  expect_error(megamoe_fused_backward(&in.dy, &in.x, &in.ids, &in.weights, &in.w1, &in.w2,
+                                      nullptr, &dx, nullptr, nullptr, nullptr, ws, bytes - 256,
+                                      stream_),
+               "megamoe_fused_backward_workspace_size");
+  megamoe_tensor bf16_weights = in.weights;
+  bf16_weights.dtype = MEGAMOE_DTYPE_BFLOAT16;
+  expect_error(megamoe_fused_backward(&in.dy, &in.x, &in.ids, &bf16_weights, &in.w1, &in.w2,
+                                      nullptr, &dx, nullptr, nullptr, nullptr, ws, bytes, stream_),
+               "topk_weights");
+  megamoe_tensor short_h =
+      device_tensor(alloc<uint16_t>(d.T * 2 * d.I), MEGAMOE_DTYPE_BFLOAT16, {d.T, 2 * d.I});
+  expect_error(megamoe_fused_backward(&in.dy, &in.x, &in.ids, &in.weights, &in.w1, &in.w2,
+                                      &short_h, &dx, nullptr, nullptr, nullptr, ws, bytes, stream_),
+               "saved_h");
+  megamoe_tensor aliased = in.dy;  // dx over dy
+  expect_error(megamoe_fused_backward(&in.dy, &in.x, &in.ids, &in.weights, &in.w1, &in.w2,
+                                      nullptr, &aliased, nullptr, nullptr, nullptr, ws, bytes,
+                                      stream_),
+               "dx");
 }
 
 }  // namespace

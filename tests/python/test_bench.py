@@ -81,6 +81,11 @@ def test_gpu_backends_are_skipped_on_cpu_and_speedups_need_torch(tmp_path):
     assert status["reference"] == "ok"
     assert status["torch"].startswith("skipped: backend 'torch' needs a CUDA GPU")
     assert status["fused"].startswith("skipped:")
+    # One fused row per backward mode, each saying which.
+    assert [(r["backend"], r["backward_mode"]) for r in record["rows"]] == [
+        ("torch", "autograd"), ("fused", "recompute"), ("fused", "saved"),
+        ("reference", "recompute")]
+    assert record["settings"]["fused_backward_modes"] == ["recompute", "saved"]
     assert all(row["speedup_full_vs_torch"] is None for row in record["rows"])
     assert (tmp_path / "mixed.json").exists()
 
@@ -129,6 +134,7 @@ def test_speedups_compare_with_the_torch_row_of_the_same_config():
     (["--ep", "3"], "--ep 3: model tiny has E=8 experts, not divisible by 3"),
     (["--ep", "2"], "--ep 2 needs 2 CUDA GPUs under torchrun, but --cpu was given"),
     (["--routing", "zipf"], "invalid choice: 'zipf'"),
+    (["--fused-backward-modes", "recompute,keep"], "--fused-backward-modes: unknown mode(s) keep"),
 ])
 def test_argument_errors_are_clear(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -106,6 +106,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   if (kBMajorN) p.b_rows_per_expert = static_cast<int32_t>(a.k);
   p.a_padded = a.a_padded;
   p.c_padded = a.c_padded;
+  p.h_out = a.h_out;
   if (backward != nullptr) {
     p.h = backward->h;
     p.dh = backward->dh;
@@ -193,13 +194,17 @@ void grouped_gemm_wgrad(const WgradArgs& w, cudaStream_t stream) {
   if (w.m % kBlockM || w.n % 128 || w.m < 1 || w.n < 1) {
     throw_invalid("grouped GEMM (weight gradient): M and N must be positive multiples of 128");
   }
-  if (!w.a || !w.b || !w.c || !w.tile_offsets) throw_invalid("grouped GEMM (weight gradient): null pointer");
+  if (!w.a || !w.b || !(w.c || w.c_accumulate) || !w.tile_offsets) {
+    throw_invalid("grouped GEMM (weight gradient): null pointer");
+  }
   const auto run = [&](auto block_n) {
     constexpr int kBlockN = decltype(block_n)::value;
     using Storage = GemmSharedStorage<Epilogue::kStore, kBlockN>;
     const CUtensorMap map_a = make_tensor_map(w.a, w.padded_rows, w.m, kBlockK);
     const CUtensorMap map_b = make_tensor_map(w.b, w.padded_rows, w.n, kBlockK);
-    const CUtensorMap map_c = make_tensor_map(w.c, w.num_experts * w.m, w.n, 64);
+    // Accumulating into fp32 goes through registers: no store map then.
+    const CUtensorMap map_c =
+        w.c_accumulate ? CUtensorMap{} : make_tensor_map(w.c, w.num_experts * w.m, w.n, 64);
     GroupedGemmParams p{};
     p.tile_offsets = w.tile_offsets;
     p.num_experts = static_cast<int32_t>(w.num_experts);
@@ -207,6 +212,7 @@ void grouped_gemm_wgrad(const WgradArgs& w, cudaStream_t stream) {
     p.wgrad_m = static_cast<int32_t>(w.m);
     p.b_rows_per_expert = 0;  // K rows come from tile_offsets
     p.c = w.c;
+    p.c_f32 = w.c_accumulate;
     p.ldc = w.n;
     p.b_lbo = MnMajorStrides{}.lbo;
     p.b_sbo = MnMajorStrides{}.sbo;

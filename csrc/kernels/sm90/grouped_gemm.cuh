@@ -13,7 +13,8 @@
 //
 // Epilogues (template):
 //   kSwiGLU: B tile rows [0, N/2) are gate rows n0.., rows [N/2, N) the up rows I+n0..;
-//            C[r, n0 + c] = silu(gate) * up for c < N/2 (output width I).
+//            C[r, n0 + c] = silu(gate) * up for c < N/2 (output width I); optionally also
+//            h = [gate | up] (h_out, the backward's saved mode).
 //   kStore:  C[r, n0 + c] = acc for c < N.
 //   kSwiGLUBackward: acc = z (dgrad of L2); writes dh and dp partials (see below).
 // Full 64-row slabs leave through shared memory and TMA stores; partial ones through
@@ -57,8 +58,12 @@ struct GroupedGemmParams {
   // by the kSwiGLUBackward epilogue.
   int32_t a_padded, c_padded;
   // kWgrad: C[e * wgrad_m + m, n] = sum over expert e's padded rows r of A[r, m] B[r, n],
-  // A M-major [padded rows, wgrad_m], B N-major [padded rows, n].
+  // A M-major [padded rows, wgrad_m], B N-major [padded rows, n]. With c_f32 set the
+  // tile is added into that fp32 matrix instead of stored as bf16 into c.
   int32_t wgrad_m;
+  float* c_f32;
+  // kSwiGLU (optional): the L1 output before the activation, [rows, 2I] = [gate | up].
+  __nv_bfloat16* h_out;
 };
 
 constexpr int kBlockM = 128;
@@ -208,6 +213,37 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
     }
     bulk_commit_group();
   }
+}
+
+// kSwiGLU's saved mode: the slab's raw gate and up accumulators into h = [gate | up].
+template <int kBlockN>
+__device__ __forceinline__ void store_slab_h(const GroupedGemmParams& p, const TileCoords& t,
+                                             const float (&acc)[kBlockN / 2], int warpgroup) {
+  const int slab = warpgroup * 64;
+  const int64_t ld = 2 * int64_t(p.half_n);
+  // Raw accumulators: read the fragment as a plain kStore tile of kBlockN columns, whose
+  // first half are gate columns n0.. and second half up columns I + n0...
+  for_each_output<Epilogue::kStore, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
+    if (slab + r >= t.rows) return;
+    const int col = c < kBlockN / 2 ? t.n_tile * (kBlockN / 2) + c
+                                    : p.half_n + t.n_tile * (kBlockN / 2) + c - kBlockN / 2;
+    *reinterpret_cast<__nv_bfloat162*>(p.h_out + int64_t(t.out_row0 + slab + r) * ld + col) =
+        __floats2bfloat162_rn(v0, v1);
+  });
+}
+
+// kWgrad into an fp32 gradient buffer: C += acc. Each output tile has one owner (no races).
+template <int kBlockN>
+__device__ __forceinline__ void accumulate_slab_f32(const GroupedGemmParams& p,
+                                                    const TileCoords& t,
+                                                    const float (&acc)[kBlockN / 2],
+                                                    int warpgroup) {
+  float* base = p.c_f32 + int64_t(t.out_row0 + warpgroup * 64) * p.ldc + t.n_tile * kBlockN;
+  for_each_output<Epilogue::kStore, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
+    float2* at = reinterpret_cast<float2*>(base + int64_t(r) * p.ldc + c);
+    const float2 old = *at;
+    *at = make_float2(old.x + v0, old.y + v1);
+  });
 }
 
 // dgrad of L2 fused with the SwiGLU backward, for one warpgroup's slab: with z = acc,
@@ -480,6 +516,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
     if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
+    if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+      if (p.h_out != nullptr) store_slab_h<kBlockN>(p, t, acc, consumer);
+    }
+    if constexpr (kWgrad) {
+      if (p.c_f32 != nullptr) {
+        accumulate_slab_f32<kBlockN>(p, t, acc, consumer);
+        continue;
+      }
+    }
     if constexpr (kEpilogue == Epilogue::kSwiGLUBackward) {
       store_slab_swiglu_backward<kBlockN>(p, t, acc, consumer);
     } else if (t.rows - consumer * 64 >= 64) {

@@ -28,6 +28,9 @@ struct GroupedGemmArgs {
   // outputs, at tile_offsets[e] * 128 + i.
   bool a_padded = false, c_padded = false;
   int64_t c_rows = 0;              // rows of C allocated; 0: a_rows
+  // grouped_gemm_swiglu only, optional: also write h = [gate | up] ([rows, 2I], unpadded
+  // sorted order) for a backward that skips the L1 recompute.
+  __nv_bfloat16* h_out = nullptr;
 };
 
 // Shared-memory descriptor strides of an N-major B tile (bytes); the defaults describe the
@@ -76,7 +79,8 @@ struct WgradArgs {
   int64_t m, n;                  // multiples of 128
   int64_t num_experts;
   const int32_t* tile_offsets;   // device [E+1]
-  __nv_bfloat16* c;              // [num_experts * m, n]
+  __nv_bfloat16* c;              // [num_experts * m, n], written (unused with c_accumulate)
+  float* c_accumulate = nullptr; // [num_experts * m, n] fp32: C += the gradient instead
 };
 void grouped_gemm_wgrad(const WgradArgs& args, cudaStream_t stream);
 
