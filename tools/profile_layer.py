@@ -1,6 +1,8 @@
-"""Per-kernel GPU time of one layer forward, from torch.profiler (CUDA activity).
+"""Per-kernel GPU time of one layer call, from torch.profiler (CUDA activity): the forward,
+or with --backward the forward and backward of a training step.
 
-    python tools/profile_forward.py --backend fused --model qwen3-30b-a3b --tokens 16384
+    python tools/profile_layer.py --backend fused --model qwen3-30b-a3b --tokens 16384
+    python tools/profile_layer.py --backward --backward-mode saved
 """
 
 import argparse
@@ -19,6 +21,8 @@ def main():
     parser.add_argument("--model", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--backward", action="store_true", help="profile forward + backward")
+    parser.add_argument("--backward-mode", default="recompute", help="the fused backend's")
     args = parser.parse_args()
     shape = get_preset(args.model)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -29,10 +33,20 @@ def main():
                          generator=g) * shape.I ** -0.5
     ids, weights = make_routing(args.tokens, shape.E, shape.k, "random", device="cuda", generator=g)
 
+    extra = {"backward_mode": args.backward_mode} if args.backend == "fused" else {}
+    dy = torch.randn_like(x)
+    if args.backward:
+        for t in (x, weights, w_gate_up, w_down):
+            t.requires_grad_(True)
+
     def forward():
-        with torch.no_grad():
-            return megamoe.moe(x, ids, weights, w_gate_up, w_down, backend=args.backend,
-                               check_ids=False)
+        with torch.set_grad_enabled(args.backward):
+            y = megamoe.moe(x, ids, weights, w_gate_up, w_down, backend=args.backend,
+                            check_ids=False, **extra)
+        if args.backward:
+            y.backward(dy)
+            for t in (x, weights, w_gate_up, w_down):
+                t.grad = None
 
     for _ in range(3):
         forward()
@@ -41,7 +55,8 @@ def main():
         for _ in range(args.iters):
             forward()
         torch.cuda.synchronize()
-    print(f"{args.backend} {args.model} T={args.tokens}: per-kernel time per forward (us)")
+    what = f"forward + backward ({args.backward_mode})" if args.backward else "forward"
+    print(f"{args.backend} {args.model} T={args.tokens}: per-kernel time per {what} (us)")
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     total = 0.0
     for e in rows:
