@@ -108,6 +108,7 @@ def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w_gate_up, w_down, _ = inputs
     _, h = output
     ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for h (measured 0.12-0.24 ms)
     ctx.weights_dtype = topk_weights.dtype
     ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, h)
 
