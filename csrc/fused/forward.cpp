@@ -111,6 +111,7 @@ MEGAMOE_API megamoe_status megamoe_fused_forward(const megamoe_tensor* x,
     sm90::GroupedGemmArgs l2 = l1;
     l2.a = activation;
     l2.a_row_index = nullptr;
+    l2.h_out = nullptr;
     l2.b = static_cast<const __nv_bfloat16*>(w_down->data);
     l2.b_rows_per_expert = s.H;
     l2.k = s.I;

@@ -89,6 +89,10 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
                : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
   // Output stores: boxes of 64 rows x 64 columns (one consumer warpgroup's slab).
   const CUtensorMap map_c = make_tensor_map(a.c, a.c_rows > 0 ? a.c_rows : a.a_rows, a.ldc, 64);
+  // kSwiGLU's saved h [rows, 2I], stored in the same 64 x 64 boxes.
+  const CUtensorMap map_h = kEpilogue == Epilogue::kSwiGLU && a.h_out != nullptr
+                                ? make_tensor_map(a.h_out, a.a_rows, 2 * half_n, 64)
+                                : CUtensorMap{};
   GroupedGemmParams p{};
   p.expert_offsets = a.expert_offsets;
   p.tile_offsets = a.tile_offsets;
@@ -106,7 +110,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   if (kBMajorN) p.b_rows_per_expert = static_cast<int32_t>(a.k);
   p.a_padded = a.a_padded;
   p.c_padded = a.c_padded;
-  p.h_out = a.h_out;
+  p.h_out = kEpilogue == Epilogue::kSwiGLU ? a.h_out : nullptr;
   if (backward != nullptr) {
     p.h = backward->h;
     p.dh = backward->dh;
@@ -127,7 +131,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA, kBMajorN>;
   MEGAMOE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, p);
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, map_h, p);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -225,7 +229,7 @@ void grouped_gemm_wgrad(const WgradArgs& w, cudaStream_t stream) {
     auto* kernel = &grouped_gemm_kernel<Epilogue::kStore, kBlockN, false, true, true>;
     MEGAMOE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, p);
+    kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, CUtensorMap{}, p);
     MEGAMOE_CUDA_CHECK(cudaGetLastError());
   };
   w.n % 256 == 0 ? run(std::integral_constant<int, 256>{}) : run(std::integral_constant<int, 128>{});
