@@ -89,10 +89,15 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
                : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
   // Output stores: boxes of 64 rows x 64 columns (one consumer warpgroup's slab).
   const CUtensorMap map_c = make_tensor_map(a.c, a.c_rows > 0 ? a.c_rows : a.a_rows, a.ldc, 64);
-  // kSwiGLU's saved h [rows, 2I], stored in the same 64 x 64 boxes.
-  const CUtensorMap map_h = kEpilogue == Epilogue::kSwiGLU && a.h_out != nullptr
-                                ? make_tensor_map(a.h_out, a.a_rows, 2 * half_n, 64)
-                                : CUtensorMap{};
+  // kSwiGLU's saved h [rows, 2I], or kSwiGLUBackward's a_out [c_rows, I], stored in the
+  // same 64 x 64 boxes.
+  CUtensorMap map_h{};
+  if (kEpilogue == Epilogue::kSwiGLU && a.h_out != nullptr) {
+    map_h = make_tensor_map(a.h_out, a.a_rows, 2 * half_n, 64);
+  } else if (kEpilogue == Epilogue::kSwiGLUBackward && backward != nullptr &&
+             backward->a_out != nullptr) {
+    map_h = make_tensor_map(backward->a_out, a.c_rows > 0 ? a.c_rows : a.a_rows, half_n, 64);
+  }
   GroupedGemmParams p{};
   p.expert_offsets = a.expert_offsets;
   p.tile_offsets = a.tile_offsets;

@@ -373,6 +373,107 @@ __device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmPara
   }
 }
 
+// The same for the padded layout (every slab row is the expert's or a pad row) with
+// 256-wide tiles: per 64-column quarter, dg, du and a of the slab go into three 64 x 64
+// boxes of the staging buffer and leave by TMA stores, which drain while the next quarter
+// is computed. (Register stores of 4 bytes per value made this epilogue cost about as much
+// as the tile's MMAs.)
+template <int kBlockN>
+__device__ __forceinline__ void store_slab_swiglu_backward_tma(
+    const CUtensorMap& map_dh, const CUtensorMap& map_a, const GroupedGemmParams& p,
+    const TileCoords& t, const float (&acc)[kBlockN / 2], int warpgroup, uint8_t* staging) {
+  constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
+  constexpr int kQuarters = kBlockN / kStoreBoxCols;
+  constexpr int kChunksPerBox = kStoreBoxCols / 8;
+  static_assert(3 * kBoxBytes <= TileConfig<Epilogue::kSwiGLUBackward, kBlockN>::kStagingBytes);
+  const int thread = threadIdx.x % 128;
+  const bool leader = thread == 0;
+  const int slab = warpgroup * 64;
+  const int64_t ld = 2 * int64_t(p.half_n);
+  const int pair = (thread % 4) * 2;  // this thread's first column within each 8-column chunk
+  float partial[2] = {0.f, 0.f};
+  bool valid[2];
+  float weight[2];
+  const unsigned* h_gate[2];
+  const unsigned* h_up[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
+    valid[half] = slab + r < t.rows;
+    const int64_t row = valid[half] ? t.row0 + slab + r : 0;
+    weight[half] = valid[half] ? __ldg(&p.slot_weights[__ldg(&p.row_slot[row])]) : 0.f;
+    h_gate[half] = reinterpret_cast<const unsigned*>(p.h + row * ld + t.n_tile * kBlockN + pair);
+    h_up[half] = reinterpret_cast<const unsigned*>(p.h + row * ld + p.half_n + t.n_tile * kBlockN + pair);
+  }
+#pragma unroll
+  for (int quarter = 0; quarter < kQuarters; ++quarter) {
+    unsigned g_bits[2][kChunksPerBox], u_bits[2][kChunksPerBox];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < kChunksPerBox; ++i) {  // 8 bf16 columns = 4 words apart
+        g_bits[half][i] = valid[half] ? __ldg(h_gate[half] + (quarter * kChunksPerBox + i) * 4) : 0u;
+        u_bits[half][i] = valid[half] ? __ldg(h_up[half] + (quarter * kChunksPerBox + i) * 4) : 0u;
+      }
+    }
+    if (leader) bulk_wait_group_read_all();  // the previous quarter's stores have read staging
+    named_barrier_sync(1 + warpgroup, 128);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
+#pragma unroll
+      for (int i = 0; i < kChunksPerBox; ++i) {
+        const int q = quarter * kChunksPerBox + i;
+        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g_bits[half][i]));
+        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u_bits[half][i]));
+        // Pad rows: z may be anything (their A rows were never copied); h reads gave
+        // zeros, so with z = 0 too, dg = du = a = 0.
+        const float z[2] = {valid[half] ? acc[q * 4 + half * 2] : 0.f,
+                            valid[half] ? acc[q * 4 + half * 2 + 1] : 0.f};
+        const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+        float dg[2], du[2], a[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float sig = 1.0f / (1.0f + __expf(-gs[j]));
+          const float silu_g = gs[j] * sig;
+          a[j] = silu_g * us[j];
+          partial[half] += z[j] * a[j];
+          const float da = weight[half] * z[j];
+          dg[j] = da * us[j] * sig * (1.0f + gs[j] * (1.0f - sig));
+          du[j] = da * silu_g;
+        }
+        const int at = r * 128 + ((i ^ (r % 8)) * 16) + pair * 2;
+        *reinterpret_cast<__nv_bfloat162*>(staging + at) = __floats2bfloat162_rn(dg[0], dg[1]);
+        *reinterpret_cast<__nv_bfloat162*>(staging + kBoxBytes + at) = __floats2bfloat162_rn(du[0], du[1]);
+        *reinterpret_cast<__nv_bfloat162*>(staging + 2 * kBoxBytes + at) = __floats2bfloat162_rn(a[0], a[1]);
+      }
+    }
+    fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
+    named_barrier_sync(1 + warpgroup, 128);
+    if (leader) {
+      const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
+      const int row = t.out_row0 + slab;
+      tma_store_2d(&map_dh, staging, col, row);
+      tma_store_2d(&map_dh, staging + kBoxBytes, p.half_n + col, row);
+      if (p.a_out != nullptr) tma_store_2d(&map_a, staging + 2 * kBoxBytes, col, row);
+      bulk_commit_group();
+    }
+  }
+  // The four lanes of a quad hold all columns of the same two rows.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 1);
+    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 2);
+  }
+  if (thread % 4 == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = slab + (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
+      if (r < t.rows) p.dp_partial[int64_t(t.row0 + r) * p.n_tiles + t.n_tile] = partial[half];
+    }
+  }
+}
+
 // setmaxnreg only moves registers within the block's launch allocation (384 x 168): what
 // the consumers gain, 256 x (224 - 168), must equal what the producer gives up,
 // 128 x (168 - 56); a larger total makes the consumers' setmaxnreg.inc wait forever.
@@ -494,6 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_c,
+                        // kSwiGLU: the saved h; kSwiGLUBackward: a_out.
                         const __grid_constant__ CUtensorMap map_h, GroupedGemmParams p) {
   using Config = TileConfig<kEpilogue, kBlockN>;
   constexpr int kStages = Config::kStages;
@@ -586,7 +688,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if constexpr (kEpilogue == Epilogue::kSwiGLUBackward) {
-      store_slab_swiglu_backward<kBlockN>(p, t, acc, consumer);
+      bool staged = false;
+      if constexpr (kBlockN == 256) {  // 128-wide tiles' staging holds two boxes, not three
+        if (p.c_padded) {
+          store_slab_swiglu_backward_tma<kBlockN>(map_c, map_h, p, t, acc, consumer,
+                                                  smem.staging[consumer]);
+          staged = true;
+        }
+      }
+      if (!staged) store_slab_swiglu_backward<kBlockN>(p, t, acc, consumer);
     } else if (t.rows - consumer * 64 >= 64) {
       store_slab_tma<kEpilogue, kBlockN>(map_c, t, acc, consumer, smem.staging[consumer]);
       if constexpr (kEpilogue == Epilogue::kSwiGLU) {
