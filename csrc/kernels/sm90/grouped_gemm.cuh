@@ -394,8 +394,8 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
   float partial[2] = {0.f, 0.f};
   bool valid[2];
   float weight[2];
-  const unsigned* h_gate[2];
-  const unsigned* h_up[2];
+  const unsigned* h_gate[2];  // the up values are half_n / 2 words further
+  const int up_words = p.half_n / 2;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
@@ -403,29 +403,30 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
     const int64_t row = valid[half] ? t.row0 + slab + r : 0;
     weight[half] = valid[half] ? __ldg(&p.slot_weights[__ldg(&p.row_slot[row])]) : 0.f;
     h_gate[half] = reinterpret_cast<const unsigned*>(p.h + row * ld + t.n_tile * kBlockN + pair);
-    h_up[half] = reinterpret_cast<const unsigned*>(p.h + row * ld + p.half_n + t.n_tile * kBlockN + pair);
   }
 #pragma unroll
   for (int quarter = 0; quarter < kQuarters; ++quarter) {
-    unsigned g_bits[2][kChunksPerBox], u_bits[2][kChunksPerBox];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      // One row's h values of the quarter, all loads issued before any is used. (Both rows'
+      // at once need 16 more registers than the consumers have.)
+      unsigned g_bits[kChunksPerBox], u_bits[kChunksPerBox];
 #pragma unroll
       for (int i = 0; i < kChunksPerBox; ++i) {  // 8 bf16 columns = 4 words apart
-        g_bits[half][i] = valid[half] ? __ldg(h_gate[half] + (quarter * kChunksPerBox + i) * 4) : 0u;
-        u_bits[half][i] = valid[half] ? __ldg(h_up[half] + (quarter * kChunksPerBox + i) * 4) : 0u;
+        const int word = (quarter * kChunksPerBox + i) * 4;
+        g_bits[i] = valid[half] ? __ldg(h_gate[half] + word) : 0u;
+        u_bits[i] = valid[half] ? __ldg(h_gate[half] + up_words + word) : 0u;
       }
-    }
-    if (leader) bulk_wait_group_read_all();  // the previous quarter's stores have read staging
-    named_barrier_sync(1 + warpgroup, 128);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
+      if (half == 0) {
+        if (leader) bulk_wait_group_read_all();  // the last quarter's stores have read staging
+        named_barrier_sync(1 + warpgroup, 128);
+      }
       const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
 #pragma unroll
       for (int i = 0; i < kChunksPerBox; ++i) {
         const int q = quarter * kChunksPerBox + i;
-        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g_bits[half][i]));
-        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u_bits[half][i]));
+        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g_bits[i]));
+        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u_bits[i]));
         // Pad rows: z may be anything (their A rows were never copied); h reads gave
         // zeros, so with z = 0 too, dg = du = a = 0.
         const float z[2] = {valid[half] ? acc[q * 4 + half * 2] : 0.f,
