@@ -1,0 +1,69 @@
+// Device-side exchange between the ranks of an expert-parallel group over peer pointers
+// (NVLink; the buffers come from torch symmetric memory, or from cudaMalloc with peer
+// access in the C++ tests). No host sync, no per-call memset: each phase keeps a
+// generation counter in device memory, advanced by every call, and a rank's arrival is
+// the peer's signal word reaching that generation. A peer that never arrives ends the
+// wait after `timeout_ns` with an error code naming the rank and the phase.
+//
+// First building block of issue 4: the expert counts (the all-gather every rank needs to
+// lay out the token rows it sends and receives).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace megamoe::comm {
+
+constexpr int kMaxRanks = 8;
+
+enum class Phase : int32_t { kCounts = 0, kNumPhases = 8 };
+
+// Every rank's symmetric buffer, as seen from this rank (buffers[rank] is its own).
+struct PeerTable {
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  char* buffers[kMaxRanks] = {};
+};
+
+// Control area at the start of each symmetric buffer, identical on every rank:
+//   uint32 generation[kNumPhases]              this rank's calls so far, per phase
+//   uint32 signal[kNumPhases][kMaxRanks]       signal[phase][src]: written by rank src
+//   int32  counts[2][kMaxRanks][num_experts]   counts[g % 2][src][e]: rank src's counts of
+//                                              its g-th exchange
+// Two count slots by generation parity: a rank that starts exchange g + 1 early writes the
+// other slot, and it cannot reach exchange g + 2 before every rank has arrived in g + 1,
+// i.e. is done with slot g % 2 (as long as ranks read their counts before the next
+// exchange).
+struct ControlLayout {
+  static constexpr size_t kGeneration = 0;
+  static constexpr size_t kSignal = 256;
+  static constexpr size_t kCounts = 512;
+  static size_t bytes(int64_t num_experts);
+  // The counts matrix [kMaxRanks][num_experts] of exchange `generation` in `buffer`.
+  __host__ __device__ static int32_t* counts(char* buffer, int64_t num_experts,
+                                             uint32_t generation) {
+    return reinterpret_cast<int32_t*>(buffer + kCounts) +
+           (generation % 2) * kMaxRanks * num_experts;
+  }
+};
+static_assert(ControlLayout::kSignal >= sizeof(uint32_t) * int(Phase::kNumPhases));
+static_assert(ControlLayout::kCounts - ControlLayout::kSignal >=
+              sizeof(uint32_t) * int(Phase::kNumPhases) * kMaxRanks);
+
+// The control area needs zeros once, when the buffer is created; never again.
+
+// Writes this rank's counts [E] into row `rank` of every rank's counts matrix of this
+// exchange, signals, and waits until every rank's row has arrived in its own: afterwards
+// ControlLayout::counts(own buffer, E, generation[kCounts]) holds every rank's counts. Collective: every rank of the table must
+// call it, in the same order as its other exchanges. error: device int32, written 0, or a
+// code (describe_error) when a peer did not arrive in time.
+void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_t num_experts,
+                     int64_t timeout_ns, int32_t* error, cudaStream_t stream);
+
+// "rank 1 did not arrive in phase 'counts' within the timeout" for a nonzero error code.
+std::string describe_error(int32_t code);
+
+}  // namespace megamoe::comm

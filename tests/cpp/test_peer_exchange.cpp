@@ -1,0 +1,168 @@
+// The device-side count exchange between GPUs of one process with peer access (issue 4's
+// first building block). Skipped with fewer than two GPUs or without peer access.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "comm/peer_exchange.h"
+#include "gpu_test_util.h"
+
+namespace {
+
+using megamoe::comm::ControlLayout;
+using megamoe::comm::PeerTable;
+
+class PeerExchangeGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int32_t devices = 0;
+    ASSERT_EQ(megamoe_cuda_device_count(&devices), MEGAMOE_SUCCESS);
+    if (devices < 2) GTEST_SKIP() << "needs 2 GPUs, found " << devices;
+    world_ = std::min<int>(devices, megamoe::comm::kMaxRanks);
+    for (int a = 0; a < world_; ++a) {
+      for (int b = 0; b < world_; ++b) {
+        int can = 1;
+        if (a != b) {
+          CUDA_OK(cudaDeviceCanAccessPeer(&can, a, b));
+        }
+        if (!can) GTEST_SKIP() << "GPU " << a << " cannot access GPU " << b;
+      }
+    }
+    for (int a = 0; a < world_; ++a) {
+      CUDA_OK(cudaSetDevice(a));
+      for (int b = 0; b < world_; ++b) {
+        if (a == b) continue;
+        const cudaError_t err = cudaDeviceEnablePeerAccess(b, 0);
+        if (err == cudaErrorPeerAccessAlreadyEnabled) {
+          (void)cudaGetLastError();
+        } else {
+          CUDA_OK(err);
+        }
+      }
+      cudaStream_t s;
+      CUDA_OK(cudaStreamCreate(&s));
+      streams_.push_back(s);
+    }
+  }
+  void TearDown() override {
+    for (size_t a = 0; a < streams_.size(); ++a) {
+      cudaSetDevice(static_cast<int>(a));
+      cudaStreamDestroy(streams_[a]);
+    }
+    for (auto& [device, p] : allocations_) {
+      cudaSetDevice(device);
+      cudaFree(p);
+    }
+    cudaSetDevice(0);
+  }
+
+  void* alloc_on(int device, size_t bytes) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaSetDevice(device), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+    EXPECT_EQ(cudaMemset(p, 0, bytes), cudaSuccess);  // once, at creation
+    allocations_.push_back({device, p});
+    return p;
+  }
+
+  // Fresh control buffers, one per GPU, and each rank's view of them.
+  std::vector<PeerTable> make_group(int64_t E) {
+    std::vector<char*> buffers;
+    for (int r = 0; r < world_; ++r) {
+      buffers.push_back(static_cast<char*>(alloc_on(r, ControlLayout::bytes(E))));
+    }
+    std::vector<PeerTable> tables(world_);
+    for (int r = 0; r < world_; ++r) {
+      tables[r].rank = r;
+      tables[r].world_size = world_;
+      for (int s = 0; s < world_; ++s) tables[r].buffers[s] = buffers[s];
+    }
+    return tables;
+  }
+
+  int world_ = 0;
+  std::vector<cudaStream_t> streams_;
+  std::vector<std::pair<int, void*>> allocations_;
+};
+
+TEST_F(PeerExchangeGpu, EveryRankGetsEveryRanksCounts) {
+  const int64_t E = 300;
+  std::vector<PeerTable> tables = make_group(E);
+  std::vector<int32_t*> counts(world_), errors(world_);
+  for (int r = 0; r < world_; ++r) {
+    counts[r] = static_cast<int32_t*>(alloc_on(r, E * sizeof(int32_t)));
+    errors[r] = static_cast<int32_t*>(alloc_on(r, sizeof(int32_t)));
+  }
+  std::mt19937 rng(megamoe_test::fresh_seed());
+  // Several calls on the same buffers: the generation counters stand in for any reset.
+  for (int call = 0; call < 5; ++call) {
+    std::vector<std::vector<int32_t>> host(world_, std::vector<int32_t>(E));
+    for (int r = 0; r < world_; ++r) {
+      for (auto& c : host[r]) c = static_cast<int32_t>(rng() % 1000);
+      CUDA_OK(cudaSetDevice(r));
+      CUDA_OK(cudaMemcpy(counts[r], host[r].data(), E * 4, cudaMemcpyHostToDevice));
+    }
+    // All launches first (each kernel waits for the others), then the syncs.
+    for (int r = 0; r < world_; ++r) {
+      CUDA_OK(cudaSetDevice(r));
+      megamoe::comm::exchange_counts(tables[r], counts[r], E, 10'000'000'000, errors[r],
+                                     streams_[r]);
+    }
+    for (int r = 0; r < world_; ++r) {
+      CUDA_OK(cudaSetDevice(r));
+      CUDA_OK(cudaStreamSynchronize(streams_[r]));
+      int32_t error = -1;
+      CUDA_OK(cudaMemcpy(&error, errors[r], 4, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(error, 0) << megamoe::comm::describe_error(error);
+      uint32_t generation = 0;
+      CUDA_OK(cudaMemcpy(&generation, tables[r].buffers[r] + ControlLayout::kGeneration, 4,
+                         cudaMemcpyDeviceToHost));
+      EXPECT_EQ(generation, uint32_t(call + 1));
+      std::vector<int32_t> all(world_ * E);
+      CUDA_OK(cudaMemcpy(all.data(), ControlLayout::counts(tables[r].buffers[r], E, generation),
+                         all.size() * 4, cudaMemcpyDeviceToHost));
+      for (int s = 0; s < world_; ++s) {
+        for (int64_t e = 0; e < E; ++e) {
+          ASSERT_EQ(all[s * E + e], host[s][e]) << "call " << call << ", rank " << r
+                                               << " row " << s << " expert " << e;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(PeerExchangeGpu, AMissingPeerIsATimeoutErrorNotAHang) {
+  const int64_t E = 16;
+  std::vector<PeerTable> tables = make_group(E);
+  int32_t* counts = static_cast<int32_t*>(alloc_on(0, E * sizeof(int32_t)));
+  int32_t* error = static_cast<int32_t*>(alloc_on(0, sizeof(int32_t)));
+  CUDA_OK(cudaSetDevice(0));
+  // Only rank 0 calls; every other rank stays away.
+  megamoe::comm::exchange_counts(tables[0], counts, E, 20'000'000, error, streams_[0]);
+  CUDA_OK(cudaStreamSynchronize(streams_[0]));
+  int32_t code = 0;
+  CUDA_OK(cudaMemcpy(&code, error, 4, cudaMemcpyDeviceToHost));
+  const std::string message = megamoe::comm::describe_error(code);
+  EXPECT_NE(code, 0);
+  EXPECT_NE(message.find("did not arrive in phase 'counts'"), std::string::npos) << message;
+  EXPECT_EQ(message.find("rank 0 "), std::string::npos) << message;  // rank 0 did arrive
+}
+
+TEST(PeerExchange, RejectsABadTable) {
+  PeerTable t;
+  t.rank = 2;
+  t.world_size = 2;
+  int32_t dummy = 0;
+  megamoe_test::expect_invalid(
+      [&] { megamoe::comm::exchange_counts(t, &dummy, 4, 1000, &dummy, nullptr); }, "rank 2 of 2");
+  t.rank = 0;
+  megamoe_test::expect_invalid(
+      [&] { megamoe::comm::exchange_counts(t, &dummy, 4, 1000, &dummy, nullptr); },
+      "no buffer for rank 0");
+  EXPECT_EQ(megamoe::comm::describe_error((1 << 8) | 1),
+            "rank 1 did not arrive in phase 'counts' within the timeout");
+}
+
+}  // namespace
