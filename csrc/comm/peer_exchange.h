@@ -19,7 +19,13 @@ namespace megamoe::comm {
 
 constexpr int kMaxRanks = 8;
 
-enum class Phase : int32_t { kCounts = 0, kNumPhases = 8 };
+enum class Phase : int32_t {
+  kCounts = 0,
+  kDispatch = 1,  // token rows sent to their experts' ranks
+  kCombine = 2,   // result rows sent back to their tokens' ranks
+  kCapacity = 6,  // not a wait: a rank would receive more rows than its capacity
+  kNumPhases = 8
+};
 
 // Every rank's symmetric buffer, as seen from this rank (buffers[rank] is its own).
 struct PeerTable {
@@ -65,5 +71,6 @@ void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_
 
 // "rank 1 did not arrive in phase 'counts' within the timeout" for a nonzero error code.
 std::string describe_error(int32_t code);
+
 
 }  // namespace megamoe::comm

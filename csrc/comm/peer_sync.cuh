@@ -1,0 +1,80 @@
+// Device side of the peer synchronisation (peer_exchange.h): generation counters,
+// release/acquire signals at system scope, and waits with a timeout. Included by the .cu
+// files of the expert-parallel kernels; every function runs in one block.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/peer_exchange.h"
+
+namespace megamoe::comm {
+
+// (phase + 1) << 8 | rank: what describe_error() decodes.
+__device__ __forceinline__ int32_t error_code(Phase phase, int rank) {
+  return ((int(phase) + 1) << 8) | rank;
+}
+
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t* signal_word(char* buffer, Phase phase, int src) {
+  return reinterpret_cast<uint32_t*>(buffer + ControlLayout::kSignal) +
+         int(phase) * kMaxRanks + src;
+}
+
+// This call's generation of `phase` (the calls so far, this one included), advanced in
+// this rank's own buffer. Every thread of the block gets it.
+__device__ __forceinline__ uint32_t next_generation(const PeerTable& peers, Phase phase) {
+  __shared__ uint32_t generation;
+  if (threadIdx.x == 0) {
+    auto* own =
+        reinterpret_cast<uint32_t*>(peers.buffers[peers.rank] + ControlLayout::kGeneration) +
+        int(phase);
+    generation = *own + 1;
+    *own = generation;
+  }
+  __syncthreads();
+  return generation;
+}
+
+// One block. Signals this phase's arrival on every rank (after this block's earlier writes
+// to them), then waits for every rank's arrival here. Returns false on timeout.
+__device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase phase, uint32_t generation,
+                                int64_t timeout_ns, int32_t* error) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  // Each thread's stores to peer memory become visible system-wide before the barrier;
+  // the release below then publishes them with the signal.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < peers.world_size) {
+    store_release_sys(signal_word(peers.buffers[threadIdx.x], phase, peers.rank), generation);
+    const uint32_t* arrived = signal_word(peers.buffers[peers.rank], phase, threadIdx.x);
+    const uint64_t start = global_time_ns();
+    // Generations only grow; a signal from a later call means this one's arrived too.
+    while (static_cast<int32_t>(load_acquire_sys(arrived) - generation) < 0) {
+      if (global_time_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+        atomicCAS(error, 0, error_code(phase, threadIdx.x));
+        failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+}  // namespace megamoe::comm
