@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -52,8 +54,11 @@ def _empty_h(x: Tensor) -> Tensor:
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
-                      w_down: Tensor, save_h: bool) -> tuple[Tensor, Tensor]:
-    """y, and h (the L1 output in expert-sorted rows) when save_h, else an empty tensor."""
+                      w_down: Tensor, save_h: bool, acc_gate_up: Optional[Tensor] = None,
+                      acc_down: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """y, and h (the L1 output in expert-sorted rows) when save_h, else an empty tensor.
+    acc_gate_up / acc_down: fp32 buffers the backward adds the weight gradients into (the
+    forward only hands them to autograd)."""
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
     y = torch.empty_like(x)
     h = x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x)
@@ -68,70 +73,90 @@ def fused_moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h):
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h, acc_gate_up=None, acc_down=None):
     T, k, _, I, _ = _sizes(x, topk_ids, w_gate_up)
     return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
 
 
-@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=())
+@torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("acc_gate_up", "acc_down"))
 def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                       w_gate_up: Tensor, w_down: Tensor, saved_h: Tensor,
-                       needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       w_gate_up: Tensor, w_down: Tensor, saved_h: Tensor, needs: list[bool],
+                       acc_gate_up: Optional[Tensor] = None, acc_down: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx, d topk_weights (fp32), d w_gate_up, d w_down; `needs` says which to compute (an
     empty tensor stands for the others). saved_h: the forward's h, or empty to recompute.
-    topk_weights must be fp32."""
+    topk_weights must be fp32. A weight gradient with an fp32 accumulator is added into it
+    instead (and comes back empty)."""
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
     h_saved = saved_h.numel() > 0
     grads = [torch.empty_like(x), torch.empty((T, k), dtype=torch.float32, device=x.device),
              torch.empty_like(w_gate_up), torch.empty_like(w_down)]
     grads = [g if need else g.new_empty((0,)) for g, need in zip(grads, needs)]
+    # Where each gradient goes: its own output, an accumulator, or nowhere.
+    targets = list(grads)
+    for i, acc in ((2, acc_gate_up), (3, acc_down)):
+        if acc is not None:
+            grads[i] = grads[i].new_empty((0,))
+            targets[i] = acc
+    needs = [need or (i == 2 and acc_gate_up is not None) or (i == 3 and acc_down is not None)
+             for i, need in enumerate(needs)]
     with torch.cuda.device(x.device):
         nbytes = backward_workspace_bytes(T, k, H, I, E, h_saved)
         workspace = _workspace(nbytes, x.device)
         d = [_lib.describe(t) for t in (dy, x, topk_ids, topk_weights, w_gate_up, w_down)]
         d.append(_lib.describe(saved_h) if h_saved else None)
-        d += [_lib.describe(g) if need else None for g, need in zip(grads, needs)]
+        d += [_lib.describe(t) if need else None for t, need in zip(targets, needs)]
         _lib.call("megamoe_fused_backward", *(_lib.ref(v) for v in d),
                   ctypes.c_void_p(workspace.data_ptr()), nbytes, _stream(x.device))
     return tuple(grads)
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs):
+def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs, acc_gate_up=None,
+      acc_down=None):
     T, k = topk_ids.shape
     grads = [torch.empty_like(x), x.new_empty((T, k), dtype=torch.float32),
              torch.empty_like(w_gate_up), torch.empty_like(w_down)]
+    needs = list(needs)
+    needs[2] = needs[2] and acc_gate_up is None
+    needs[3] = needs[3] and acc_down is None
     return tuple(g if need else g.new_empty((0,)) for g, need in zip(grads, needs))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w_gate_up, w_down, _ = inputs
+    x, topk_ids, topk_weights, w_gate_up, w_down, _, acc_gate_up, acc_down = inputs
     _, h = output
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # no zero-filled gradient for h (measured 0.12-0.24 ms)
     ctx.weights_dtype = topk_weights.dtype
-    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, h)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, h, acc_gate_up,
+                          acc_down)
 
 
 def _backward(ctx, dy, _dh):
-    x, topk_ids, topk_weights, w_gate_up, w_down, h = ctx.saved_tensors
+    x, topk_ids, topk_weights, w_gate_up, w_down, h, acc_gate_up, acc_down = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
     dx, dp, dw1, dw2 = fused_moe_backward(
         dy.to(x.dtype).contiguous(), x, topk_ids, topk_weights.float().contiguous(), w_gate_up,
-        w_down, h, needs)
+        w_down, h, needs, acc_gate_up, acc_down)
+    # A weight whose gradient went into its accumulator gets none from autograd.
     return (dx if needs[0] else None, None,
             dp.to(ctx.weights_dtype) if needs[1] else None,
-            dw1 if needs[2] else None, dw2 if needs[3] else None, None)
+            dw1 if needs[2] and acc_gate_up is None else None,
+            dw2 if needs[3] and acc_down is None else None, None, None, None)
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
-              w_down: Tensor, backward_mode: str = "recompute") -> Tensor:
+              w_down: Tensor, backward_mode: str = "recompute",
+              weight_grad_accumulators: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The fused layer on one GPU, differentiable; h is kept only in the "saved" mode and
     only when a backward can follow."""
     save_h = backward_mode == "saved" and torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
-    y, _ = fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h)
+    acc_gate_up, acc_down = weight_grad_accumulators or (None, None)
+    y, _ = fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h,
+                             acc_gate_up, acc_down)
     return y

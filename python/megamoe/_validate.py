@@ -159,6 +159,37 @@ def _check_fused_limits(problem: Problem, x, group):
                            f"got {problem.num_experts}")
 
 
+def check_weight_grad_accumulators(accumulators, w_gate_up, w_down, backend) -> None:
+    """(acc_gate_up, acc_down): fp32 buffers shaped and placed like the weights, either may
+    be None; the fused backward adds the weight gradients into them."""
+    if accumulators is None:
+        return
+    if backend != "fused":
+        raise MegaMoEError("weight_grad_accumulators: only backend='fused' adds the weight "
+                           f"gradients into fp32 buffers, got backend={backend!r}")
+    if not isinstance(accumulators, (tuple, list)) or len(accumulators) != 2:
+        raise MegaMoEError("weight_grad_accumulators: expected a pair (acc_gate_up, acc_down) "
+                           "of fp32 tensors or None")
+    for name, acc, weight in (("acc_gate_up", accumulators[0], w_gate_up),
+                              ("acc_down", accumulators[1], w_down)):
+        if acc is None:
+            continue
+        if not isinstance(acc, torch.Tensor):
+            raise MegaMoEError(f"weight_grad_accumulators: {name} must be a tensor or None, "
+                               f"got {type(acc).__name__}")
+        if acc.dtype != torch.float32:
+            raise MegaMoEError(f"weight_grad_accumulators: {name} must be torch.float32, "
+                               f"got {acc.dtype}")
+        if acc.shape != weight.shape:
+            raise MegaMoEError(f"weight_grad_accumulators: {name} must have the weight's shape "
+                               f"{list(weight.shape)}, got {list(acc.shape)}")
+        if acc.device != weight.device:
+            raise MegaMoEError(f"weight_grad_accumulators: {name} is on {acc.device}, the "
+                               f"weight on {weight.device}")
+        if not acc.is_contiguous():
+            raise MegaMoEError(f"weight_grad_accumulators: {name} must be contiguous")
+
+
 def should_check_ids(check_ids) -> bool:
     """Value checks read device memory: skip them while tracing or capturing a graph."""
     if check_ids is not None:

@@ -13,7 +13,9 @@ from .errors import MegaMoEError, NotBuiltError
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         w_gate_up: torch.Tensor, w_down: torch.Tensor, group=None, buffer=None,
         precision: str = "bf16", backend: str = "fused", *, check_ids: bool | None = None,
-        backward_mode: str = "recompute") -> torch.Tensor:
+        backward_mode: str = "recompute",
+        weight_grad_accumulators: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+        ) -> torch.Tensor:
     """The expert part of a Mixture-of-Experts layer: y = sum_j p_j * FFN_{e_j}(x).
 
     Args:
@@ -33,10 +35,15 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         backward_mode: backend="fused" only. "recompute" (default): the forward keeps only
             its inputs and the backward recomputes L1. "saved": the forward also keeps the
             L1 output (T*k*2I values of x's dtype) and the backward skips that GEMM.
+        weight_grad_accumulators: backend="fused" only. (acc_gate_up, acc_down), fp32
+            tensors shaped like w_gate_up and w_down (either may be None): the backward adds
+            the weight gradients into them in fp32 (gradient accumulation without a bf16
+            round trip), and those weights then get no .grad from this call.
 
     Returns y [T, H] in x's dtype. Gradients flow to x, topk_weights, w_gate_up, w_down.
     """
     _validate.check_backend_and_precision(backend, precision)
+    _validate.check_weight_grad_accumulators(weight_grad_accumulators, w_gate_up, w_down, backend)
     problem = _validate.check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend)
     if backward_mode not in BACKWARD_MODES:
         raise MegaMoEError(f"backward_mode: expected one of {BACKWARD_MODES}, got {backward_mode!r}")
@@ -50,5 +57,6 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if backend == "reference":
         return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
     if backend == "fused":
-        return fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, backward_mode)
+        return fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, backward_mode,
+                         weight_grad_accumulators)
     raise MegaMoEError(f"unhandled backend {backend!r}")  # unreachable: validated above

@@ -51,6 +51,7 @@ CASES = [  # T, H, I, E, k, extra
     (4097, 256, 128, 128, 8, dict(invalid_fraction=0.05, skip_experts=(3, 9))),
     (16384, 256, 128, 64, 2, {}),
     (300, 384, 256, 16, 4, dict(one_expert=5)),
+    (257, 128, 128, 512, 16, dict(invalid_fraction=0.1)),  # the limits: k = 16, E = 512
 ]
 
 

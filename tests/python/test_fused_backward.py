@@ -106,6 +106,7 @@ CASES = [  # T, H, I, E, k, extra
     (16384, 256, 128, 64, 2, {}),
     (300, 384, 256, 16, 4, dict(one_expert=5)),  # all tokens on one expert
     (1000, 256, 384, 8, 1, dict(skip_experts=(0, 1, 2, 3, 4, 5))),  # skewed, I = 3 * 128
+    (257, 128, 128, 512, 16, dict(invalid_fraction=0.1)),  # the limits: k = 16, E = 512
 ]
 
 
@@ -206,3 +207,24 @@ def test_fused_backward_mode_is_checked():
     p = make_problem(8, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=1)
     with pytest.raises(megamoe.MegaMoEError, match="backward_mode"):
         megamoe.moe(*_args(p), backend="fused", backward_mode="keep")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_weight_grads_accumulate_into_fp32_buffers(mode):
+    p = make_problem(700, 256, 128, 16, 4, dtype=torch.bfloat16, device="cuda", seed=17,
+                     invalid_fraction=0.05)
+    ref = reference.backward(p["dy"], *_args(p))
+    acc = (torch.full(p["w_gate_up"].shape, 0.5, device="cuda"),
+           torch.full(p["w_down"].shape, 0.5, device="cuda"))
+    leaves = {n: p[n].detach().clone().requires_grad_(True) for n in GRADS}
+    for step in range(2):  # two micro-batches into the same buffers
+        y = megamoe.moe(leaves["x"], p["topk_ids"], leaves["topk_weights"], leaves["w_gate_up"],
+                        leaves["w_down"], backend="fused", backward_mode=mode,
+                        weight_grad_accumulators=acc)
+        y.backward(p["dy"])
+    assert leaves["w_gate_up"].grad is None and leaves["w_down"].grad is None
+    assert rel_err(leaves["x"].grad, 2 * ref[0]) < 1e-2  # x still gets its (summed) gradient
+    for got, want, name in ((acc[0], ref[2], "d w_gate_up"), (acc[1], ref[3], "d w_down")):
+        err = rel_err((got.double() - 0.5) / 2, want)
+        print(f"{mode}: {name} accumulated over 2 steps in fp32: rel err {err:.2e}")
+        assert err < 1e-2

@@ -96,3 +96,22 @@ def test_library_errors_name_the_argument():
     with pytest.raises(megamoe.LibraryError, match="topk_ids") as info:
         _lib.call("megamoe_reference_forward", *(_lib.ref(v) for v in d))
     assert "INVALID_ARGUMENT" in str(info.value)
+
+
+@pytest.mark.parametrize("accumulators,pattern", [
+    ((torch.zeros(4, 16, 15), None), r"acc_gate_up must have the weight's shape \[4, 16, 16\]"),
+    ((torch.zeros(4, 16, 16, dtype=torch.float64), None), r"acc_gate_up must be torch.float32"),
+    ((None, torch.zeros(4, 8, 16)), r"acc_down must have the weight's shape \[4, 16, 8\]"),
+    ((None, torch.zeros(4, 8, 16).transpose(1, 2)), r"acc_down must be contiguous"),
+    ((None, [0.0]), r"acc_down must be a tensor or None"),
+    (torch.zeros(3), r"expected a pair \(acc_gate_up, acc_down\)"),
+])
+def test_weight_grad_accumulators_are_checked(accumulators, pattern):
+    with pytest.raises(MegaMoEError, match=pattern):
+        megamoe.moe(**_args(), backend="fused", weight_grad_accumulators=accumulators)
+
+
+def test_weight_grad_accumulators_need_the_fused_backend():
+    acc = (torch.zeros(4, 16, 16), torch.zeros(4, 16, 8))
+    with pytest.raises(MegaMoEError, match="only backend='fused'"):
+        megamoe.moe(**_args(), backend="reference", weight_grad_accumulators=acc)
