@@ -78,6 +78,18 @@ def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h, acc_gate_up=None, ac
     return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
 
 
+def _grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down) -> list[Tensor]:
+    """The backward op's outputs: a tensor for each gradient that is needed and not added
+    into an accumulator, an empty one (of the gradient's dtype) for the others."""
+    T, k = topk_ids.shape
+    written = [needs[0], needs[1], needs[2] and acc_gate_up is None,
+               needs[3] and acc_down is None]
+    like = [(x.shape, x.dtype), ((T, k), torch.float32), (w_gate_up.shape, w_gate_up.dtype),
+            (w_down.shape, w_down.dtype)]
+    return [x.new_empty(shape if w else (0,), dtype=dtype)
+            for (shape, dtype), w in zip(like, written)]
+
+
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("acc_gate_up", "acc_down"))
 def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
                        w_gate_up: Tensor, w_down: Tensor, saved_h: Tensor, needs: list[bool],
@@ -89,17 +101,12 @@ def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Te
     instead (and comes back empty)."""
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
     h_saved = saved_h.numel() > 0
-    grads = [torch.empty_like(x), torch.empty((T, k), dtype=torch.float32, device=x.device),
-             torch.empty_like(w_gate_up), torch.empty_like(w_down)]
-    grads = [g if need else g.new_empty((0,)) for g, need in zip(grads, needs)]
-    # Where each gradient goes: its own output, an accumulator, or nowhere.
-    targets = list(grads)
-    for i, acc in ((2, acc_gate_up), (3, acc_down)):
-        if acc is not None:
-            grads[i] = grads[i].new_empty((0,))
-            targets[i] = acc
-    needs = [need or (i == 2 and acc_gate_up is not None) or (i == 3 and acc_down is not None)
-             for i, need in enumerate(needs)]
+    grads = _grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down)
+    # Where each gradient goes: its own output, or its accumulator.
+    targets = grads[:2] + [acc if acc is not None else g
+                           for acc, g in ((acc_gate_up, grads[2]), (acc_down, grads[3]))]
+    needs = [needs[0], needs[1], needs[2] or acc_gate_up is not None,
+             needs[3] or acc_down is not None]
     with torch.cuda.device(x.device):
         nbytes = backward_workspace_bytes(T, k, H, I, E, h_saved)
         workspace = _workspace(nbytes, x.device)
@@ -114,13 +121,7 @@ def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Te
 @fused_moe_backward.register_fake
 def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs, acc_gate_up=None,
       acc_down=None):
-    T, k = topk_ids.shape
-    grads = [torch.empty_like(x), x.new_empty((T, k), dtype=torch.float32),
-             torch.empty_like(w_gate_up), torch.empty_like(w_down)]
-    needs = list(needs)
-    needs[2] = needs[2] and acc_gate_up is None
-    needs[3] = needs[3] and acc_down is None
-    return tuple(g if need else g.new_empty((0,)) for g, need in zip(grads, needs))
+    return tuple(_grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down))
 
 
 def _setup_context(ctx, inputs, output):

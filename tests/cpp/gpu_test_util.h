@@ -75,6 +75,21 @@ class GpuTest : public ::testing::Test {
   std::vector<void*> allocations_;
 };
 
+// A row-major contiguous descriptor of `data` (device or host memory).
+inline megamoe_tensor dense_tensor(void* data, megamoe_dtype dtype, std::vector<int64_t> shape) {
+  megamoe_tensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.shape[d] = shape[d];
+    t.strides[d] = stride;
+    stride *= shape[d];
+  }
+  return t;
+}
+
 // `call` must throw megamoe::Error with INVALID_ARGUMENT and a message containing `fragment`.
 inline void expect_invalid(const std::function<void()>& call, const std::string& fragment) {
   try {

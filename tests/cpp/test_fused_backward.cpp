@@ -15,6 +15,7 @@ namespace {
 
 using megamoe_test::Dims;
 using megamoe_test::GpuTest;
+using megamoe_test::dense_tensor;
 
 uint16_t bf16_bits(double v) {
   const __nv_bfloat16 b = __float2bfloat16(static_cast<float>(v));
@@ -39,21 +40,6 @@ std::vector<uint16_t> round_to_bf16(megamoe_test::Tensor& t) {
   }
   t.assign(v);
   return bits;
-}
-
-// A contiguous device tensor descriptor.
-megamoe_tensor device_tensor(void* data, megamoe_dtype dtype, std::vector<int64_t> shape) {
-  megamoe_tensor t{};
-  t.data = data;
-  t.dtype = dtype;
-  t.ndim = static_cast<int32_t>(shape.size());
-  int64_t stride = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    t.shape[d] = shape[d];
-    t.strides[d] = stride;
-    stride *= shape[d];
-  }
-  return t;
 }
 
 enum class Mode { kRecompute, kSaved };
@@ -84,12 +70,12 @@ class FusedBackwardGpu : public GpuTest {
       p.weights.set(s, weights[s]);
     }
     const auto bf16 = MEGAMOE_DTYPE_BFLOAT16;
-    return {device_tensor(upload(round_to_bf16(p.x)), bf16, {d.T, d.H}),
-            device_tensor(upload(round_to_bf16(p.dy)), bf16, {d.T, d.H}),
-            device_tensor(upload(ids), MEGAMOE_DTYPE_INT32, {d.T, d.k}),
-            device_tensor(upload(weights), MEGAMOE_DTYPE_FLOAT32, {d.T, d.k}),
-            device_tensor(upload(round_to_bf16(p.w_gate_up)), bf16, {d.E, 2 * d.I, d.H}),
-            device_tensor(upload(round_to_bf16(p.w_down)), bf16, {d.E, d.H, d.I})};
+    return {dense_tensor(upload(round_to_bf16(p.x)), bf16, {d.T, d.H}),
+            dense_tensor(upload(round_to_bf16(p.dy)), bf16, {d.T, d.H}),
+            dense_tensor(upload(ids), MEGAMOE_DTYPE_INT32, {d.T, d.k}),
+            dense_tensor(upload(weights), MEGAMOE_DTYPE_FLOAT32, {d.T, d.k}),
+            dense_tensor(upload(round_to_bf16(p.w_gate_up)), bf16, {d.E, 2 * d.I, d.H}),
+            dense_tensor(upload(round_to_bf16(p.w_down)), bf16, {d.E, d.H, d.I})};
   }
 
   // Poisoned (NaN) device memory: a read of an unwritten element shows.
@@ -107,8 +93,8 @@ class FusedBackwardGpu : public GpuTest {
       EXPECT_EQ(megamoe_fused_workspace_size(d.T, d.k, d.H, d.I, d.E, &fwd_bytes),
                 MEGAMOE_SUCCESS);
       megamoe_tensor y =
-          device_tensor(poisoned(d.T * d.H * 2), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
-      saved_h = device_tensor(poisoned(slots * 2 * d.I * 2), MEGAMOE_DTYPE_BFLOAT16,
+          dense_tensor(poisoned(d.T * d.H * 2), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
+      saved_h = dense_tensor(poisoned(slots * 2 * d.I * 2), MEGAMOE_DTYPE_BFLOAT16,
                               {slots, 2 * d.I});
       EXPECT_EQ(megamoe_fused_forward(&in.x, &in.ids, &in.weights, &in.w1, &in.w2, &y, &saved_h,
                                       poisoned(fwd_bytes), fwd_bytes, stream_),
@@ -120,16 +106,16 @@ class FusedBackwardGpu : public GpuTest {
                                                     mode == Mode::kSaved, &bytes),
               MEGAMOE_SUCCESS);
     const int64_t n1 = d.E * 2 * d.I * d.H, n2 = d.E * d.H * d.I;
-    megamoe_tensor dx = device_tensor(poisoned(d.T * d.H * 2), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
-    megamoe_tensor dp = device_tensor(poisoned(slots * 4), MEGAMOE_DTYPE_FLOAT32, {d.T, d.k});
+    megamoe_tensor dx = dense_tensor(poisoned(d.T * d.H * 2), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
+    megamoe_tensor dp = dense_tensor(poisoned(slots * 4), MEGAMOE_DTYPE_FLOAT32, {d.T, d.k});
     megamoe_tensor dw1, dw2;
     if (wg == WeightGrads::kBf16) {
-      dw1 = device_tensor(poisoned(n1 * 2), MEGAMOE_DTYPE_BFLOAT16, {d.E, 2 * d.I, d.H});
-      dw2 = device_tensor(poisoned(n2 * 2), MEGAMOE_DTYPE_BFLOAT16, {d.E, d.H, d.I});
+      dw1 = dense_tensor(poisoned(n1 * 2), MEGAMOE_DTYPE_BFLOAT16, {d.E, 2 * d.I, d.H});
+      dw2 = dense_tensor(poisoned(n2 * 2), MEGAMOE_DTYPE_BFLOAT16, {d.E, d.H, d.I});
     } else {
-      dw1 = device_tensor(upload(std::vector<float>(n1, kAccumulatorStart)), MEGAMOE_DTYPE_FLOAT32,
+      dw1 = dense_tensor(upload(std::vector<float>(n1, kAccumulatorStart)), MEGAMOE_DTYPE_FLOAT32,
                           {d.E, 2 * d.I, d.H});
-      dw2 = device_tensor(upload(std::vector<float>(n2, kAccumulatorStart)), MEGAMOE_DTYPE_FLOAT32,
+      dw2 = dense_tensor(upload(std::vector<float>(n2, kAccumulatorStart)), MEGAMOE_DTYPE_FLOAT32,
                           {d.E, d.H, d.I});
     }
     EXPECT_EQ(megamoe_fused_backward(&in.dy, &in.x, &in.ids, &in.weights, &in.w1, &in.w2,
@@ -239,7 +225,7 @@ TEST_F(FusedBackwardGpu, RejectsBadArguments) {
   ASSERT_EQ(megamoe_fused_backward_workspace_size(d.T, d.k, d.H, d.I, d.E, 0, &bytes),
             MEGAMOE_SUCCESS);
   void* ws = device_alloc(bytes);
-  megamoe_tensor dx = device_tensor(alloc<uint16_t>(d.T * d.H), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
+  megamoe_tensor dx = dense_tensor(alloc<uint16_t>(d.T * d.H), MEGAMOE_DTYPE_BFLOAT16, {d.T, d.H});
   const auto expect_error = [&](megamoe_status st, const char* fragment) {
     EXPECT_EQ(st, MEGAMOE_ERROR_INVALID_ARGUMENT);
     EXPECT_NE(std::string(megamoe_last_error()).find(fragment), std::string::npos)
@@ -255,7 +241,7 @@ TEST_F(FusedBackwardGpu, RejectsBadArguments) {
                                       nullptr, &dx, nullptr, nullptr, nullptr, ws, bytes, stream_),
                "topk_weights");
   megamoe_tensor short_h =
-      device_tensor(alloc<uint16_t>(d.T * 2 * d.I), MEGAMOE_DTYPE_BFLOAT16, {d.T, 2 * d.I});
+      dense_tensor(alloc<uint16_t>(d.T * 2 * d.I), MEGAMOE_DTYPE_BFLOAT16, {d.T, 2 * d.I});
   expect_error(megamoe_fused_backward(&in.dy, &in.x, &in.ids, &in.weights, &in.w1, &in.w2,
                                       &short_h, &dx, nullptr, nullptr, nullptr, ws, bytes, stream_),
                "saved_h");

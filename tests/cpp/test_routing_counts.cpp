@@ -11,22 +11,10 @@
 
 namespace {
 
+using megamoe_test::dense_tensor;
+
 class RoutingCounts : public megamoe_test::GpuTest {
  protected:
-  static megamoe_tensor desc(void* data, megamoe_dtype dt, std::vector<int64_t> shape) {
-    megamoe_tensor t{};
-    t.data = data;
-    t.dtype = dt;
-    t.ndim = static_cast<int32_t>(shape.size());
-    int64_t stride = 1;
-    for (int d = t.ndim - 1; d >= 0; --d) {
-      t.shape[d] = shape[d];
-      t.strides[d] = stride;
-      stride *= shape[d];
-    }
-    return t;
-  }
-
   // Random ids in [-3, E + 2): valid ids, -1, and invalid ones on both sides.
   template <class Id>
   void check(int64_t T, int64_t k, int64_t E, uint64_t seed, int repeats = 1) {
@@ -54,9 +42,9 @@ class RoutingCounts : public megamoe_test::GpuTest {
     CUDA_OK(cudaMemset(d_counts, 0x7b, E * sizeof(int32_t)));
     CUDA_OK(cudaMemset(d_invalid, 0x7b, sizeof(int32_t)));
 
-    megamoe_tensor t_ids = desc(d_ids, dt, {T, k});
-    megamoe_tensor t_counts = desc(d_counts, MEGAMOE_DTYPE_INT32, {E});
-    megamoe_tensor t_invalid = desc(d_invalid, MEGAMOE_DTYPE_INT32, {1});
+    megamoe_tensor t_ids = dense_tensor(d_ids, dt, {T, k});
+    megamoe_tensor t_counts = dense_tensor(d_counts, MEGAMOE_DTYPE_INT32, {E});
+    megamoe_tensor t_invalid = dense_tensor(d_invalid, MEGAMOE_DTYPE_INT32, {1});
     for (int r = 0; r < repeats; ++r) {
       ASSERT_EQ(megamoe_routing_counts(&t_ids, E, &t_counts, &t_invalid, stream_),
                 MEGAMOE_SUCCESS)
@@ -92,9 +80,9 @@ TEST_F(RoutingCounts, ZeroTokensZeroCounts) {
   auto* d_invalid = static_cast<int32_t*>(device_alloc(sizeof(int32_t)));
   CUDA_OK(cudaMemset(d_counts, 0x7b, 16 * sizeof(int32_t)));
   CUDA_OK(cudaMemset(d_invalid, 0x7b, sizeof(int32_t)));
-  megamoe_tensor ids = desc(nullptr, MEGAMOE_DTYPE_INT64, {0, 4});
-  megamoe_tensor counts = desc(d_counts, MEGAMOE_DTYPE_INT32, {16});
-  megamoe_tensor invalid = desc(d_invalid, MEGAMOE_DTYPE_INT32, {1});
+  megamoe_tensor ids = dense_tensor(nullptr, MEGAMOE_DTYPE_INT64, {0, 4});
+  megamoe_tensor counts = dense_tensor(d_counts, MEGAMOE_DTYPE_INT32, {16});
+  megamoe_tensor invalid = dense_tensor(d_invalid, MEGAMOE_DTYPE_INT32, {1});
   ASSERT_EQ(megamoe_routing_counts(&ids, 16, &counts, &invalid, stream_), MEGAMOE_SUCCESS)
       << megamoe_last_error();
   std::vector<int32_t> host(17, -1);
@@ -117,9 +105,9 @@ TEST_F(RoutingCounts, CapturableInCudaGraph) {
   auto* d_counts = static_cast<int32_t*>(device_alloc(E * sizeof(int32_t)));
   auto* d_invalid = static_cast<int32_t*>(device_alloc(sizeof(int32_t)));
   CUDA_OK(cudaMemcpy(d_ids, ids.data(), ids.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  megamoe_tensor t_ids = desc(d_ids, MEGAMOE_DTYPE_INT32, {T, k});
-  megamoe_tensor t_counts = desc(d_counts, MEGAMOE_DTYPE_INT32, {E});
-  megamoe_tensor t_invalid = desc(d_invalid, MEGAMOE_DTYPE_INT32, {1});
+  megamoe_tensor t_ids = dense_tensor(d_ids, MEGAMOE_DTYPE_INT32, {T, k});
+  megamoe_tensor t_counts = dense_tensor(d_counts, MEGAMOE_DTYPE_INT32, {E});
+  megamoe_tensor t_invalid = dense_tensor(d_invalid, MEGAMOE_DTYPE_INT32, {1});
 
   cudaGraph_t graph = nullptr;
   CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
@@ -144,9 +132,9 @@ TEST_F(RoutingCounts, HostPointerRejectedClearly) {
   std::vector<int32_t> host_ids(8, 0);
   auto* d_counts = static_cast<int32_t*>(device_alloc(4 * sizeof(int32_t)));
   auto* d_invalid = static_cast<int32_t*>(device_alloc(sizeof(int32_t)));
-  megamoe_tensor ids = desc(host_ids.data(), MEGAMOE_DTYPE_INT32, {4, 2});
-  megamoe_tensor counts = desc(d_counts, MEGAMOE_DTYPE_INT32, {4});
-  megamoe_tensor invalid = desc(d_invalid, MEGAMOE_DTYPE_INT32, {1});
+  megamoe_tensor ids = dense_tensor(host_ids.data(), MEGAMOE_DTYPE_INT32, {4, 2});
+  megamoe_tensor counts = dense_tensor(d_counts, MEGAMOE_DTYPE_INT32, {4});
+  megamoe_tensor invalid = dense_tensor(d_invalid, MEGAMOE_DTYPE_INT32, {1});
   EXPECT_EQ(megamoe_routing_counts(&ids, 4, &counts, &invalid, stream_),
             MEGAMOE_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(megamoe_last_error()).find("topk_ids: expected CUDA device memory"),

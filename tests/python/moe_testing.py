@@ -14,6 +14,20 @@ BASE_SEED = int(os.environ.get("MEGAMOE_TEST_SEED", random.SystemRandom().randra
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+# Shapes that break kernels, for the fused forward and backward tests (T, H, I, E, k, and
+# make_problem's routing arguments).
+FUSED_CASES = [  # T, H, I, E, k, extra
+    (1, 256, 128, 8, 1, {}),
+    (7, 256, 128, 8, 2, dict(invalid_fraction=0.2)),
+    (128, 512, 256, 64, 8, {}),
+    (4097, 256, 128, 128, 8, dict(invalid_fraction=0.05, skip_experts=(3, 9))),
+    (16384, 256, 128, 64, 2, {}),
+    (300, 384, 256, 16, 4, dict(one_expert=5)),  # all tokens on one expert
+    (1000, 256, 384, 8, 1, dict(skip_experts=(0, 1, 2, 3, 4, 5))),  # skewed, I = 3 * 128
+    (257, 128, 128, 512, 16, dict(invalid_fraction=0.1)),  # the limits: k = 16, E = 512
+]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref||_F / ||ref||_F in float64; NaN anywhere gives inf."""
     out64, ref64 = out.double(), ref.double()

@@ -9,6 +9,7 @@ import torch
 import megamoe
 from megamoe import _lib, reference
 from megamoe._fused_op import workspace_bytes
+from moe_testing import FUSED_CASES as CASES
 from moe_testing import make_problem, needs_cuda, rel_err
 
 pytestmark = [needs_cuda, pytest.mark.gpu]
@@ -44,15 +45,6 @@ def _poisoned_run(p):
     return y
 
 
-CASES = [  # T, H, I, E, k, extra
-    (1, 256, 128, 8, 1, {}),
-    (7, 256, 128, 8, 2, dict(invalid_fraction=0.2)),
-    (128, 512, 256, 64, 8, {}),
-    (4097, 256, 128, 128, 8, dict(invalid_fraction=0.05, skip_experts=(3, 9))),
-    (16384, 256, 128, 64, 2, {}),
-    (300, 384, 256, 16, 4, dict(one_expert=5)),
-    (257, 128, 128, 512, 16, dict(invalid_fraction=0.1)),  # the limits: k = 16, E = 512
-]
 
 
 @pytest.mark.parametrize("T,H,I,E,k,extra", CASES)

@@ -11,6 +11,7 @@ import megamoe
 from megamoe import _lib, reference
 from megamoe._fused_op import (backward_workspace_bytes, fused_moe_backward, fused_moe_forward,
                                workspace_bytes)
+from moe_testing import FUSED_CASES as CASES
 from moe_testing import make_problem, needs_cuda, rel_err, run_with_grads
 
 pytestmark = [needs_cuda, pytest.mark.gpu]
@@ -98,16 +99,6 @@ def _check_grads(label, grads, ref, p=None):
             assert err < 1e-2, f"d{name}: rel err {err:.3e}"
 
 
-CASES = [  # T, H, I, E, k, extra
-    (1, 256, 128, 8, 1, {}),
-    (7, 256, 128, 8, 2, dict(invalid_fraction=0.2)),
-    (128, 512, 256, 64, 8, {}),
-    (4097, 256, 128, 128, 8, dict(invalid_fraction=0.05, skip_experts=(3, 9))),
-    (16384, 256, 128, 64, 2, {}),
-    (300, 384, 256, 16, 4, dict(one_expert=5)),  # all tokens on one expert
-    (1000, 256, 384, 8, 1, dict(skip_experts=(0, 1, 2, 3, 4, 5))),  # skewed, I = 3 * 128
-    (257, 128, 128, 512, 16, dict(invalid_fraction=0.1)),  # the limits: k = 16, E = 512
-]
 
 
 @pytest.mark.parametrize("mode", MODES)

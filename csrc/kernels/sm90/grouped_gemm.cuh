@@ -284,6 +284,52 @@ __device__ __forceinline__ void accumulate_slab_f32(const GroupedGemmParams& p,
   });
 }
 
+// The SwiGLU backward of one column pair of a row, from z = w_down^T dy (two accumulators),
+// the row's [gate | up] values as bf16 pairs and its router weight p: dg, du and
+// a = silu(g) u as bf16 pairs, and the pair's share of dp = <z, a> added to `partial`.
+struct SwiGLUGradPair {
+  __nv_bfloat162 dg, du, a;
+};
+__device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[2],
+                                                               unsigned g_bits, unsigned u_bits,
+                                                               float weight, float& partial) {
+  const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g_bits));
+  const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u_bits));
+  const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+  float dg[2], du[2], a[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float sig = 1.0f / (1.0f + __expf(-gs[j]));
+    const float silu_g = gs[j] * sig;
+    a[j] = silu_g * us[j];
+    partial += z[j] * a[j];
+    const float da = weight * z[j];
+    dg[j] = da * us[j] * sig * (1.0f + gs[j] * (1.0f - sig));
+    du[j] = da * silu_g;
+  }
+  return {__floats2bfloat162_rn(dg[0], dg[1]), __floats2bfloat162_rn(du[0], du[1]),
+          __floats2bfloat162_rn(a[0], a[1])};
+}
+
+// The slab's dp partials: the four lanes of a quad hold all columns of the same two rows;
+// summed over the quad in a fixed order, one partial per (row, N-tile).
+__device__ __forceinline__ void store_dp_partials(const GroupedGemmParams& p, const TileCoords& t,
+                                                  float (&partial)[2], int slab) {
+  const int thread = threadIdx.x % 128;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 1);
+    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 2);
+  }
+  if (thread % 4 == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = slab + (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
+      if (r < t.rows) p.dp_partial[int64_t(t.row0 + r) * p.n_tiles + t.n_tile] = partial[half];
+    }
+  }
+}
+
 // dgrad of L2 fused with the SwiGLU backward, for one warpgroup's slab: with z = acc,
 // a = silu(g) u, da = p z: dg = da u silu'(g), du = da silu(g), and the tile's share of
 // dp = <z, a> (summed over the quad's lanes in a fixed order, one partial per N-tile).
@@ -337,40 +383,15 @@ __device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmPara
 #pragma unroll
       for (int i = 0; i < kLoadBatch; ++i) {
         const int q = q0 + i;
-        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g_bits[i]));
-        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u_bits[i]));
         const float z[2] = {acc[q * 4 + half * 2], acc[q * 4 + half * 2 + 1]};
-        const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
-        float dg[2], du[2], a[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float sig = 1.0f / (1.0f + __expf(-gs[j]));
-          const float silu_g = gs[j] * sig;
-          a[j] = silu_g * us[j];
-          partial[half] += z[j] * a[j];
-          const float da = weight * z[j];
-          dg[j] = da * us[j] * sig * (1.0f + gs[j] * (1.0f - sig));
-          du[j] = da * silu_g;
-        }
-        *reinterpret_cast<__nv_bfloat162*>(dg_out + q * 8) = __floats2bfloat162_rn(dg[0], dg[1]);
-        *reinterpret_cast<__nv_bfloat162*>(du_out + q * 8) = __floats2bfloat162_rn(du[0], du[1]);
-        if (a_out) *reinterpret_cast<__nv_bfloat162*>(a_out + q * 8) = __floats2bfloat162_rn(a[0], a[1]);
+        const SwiGLUGradPair out = swiglu_backward_pair(z, g_bits[i], u_bits[i], weight, partial[half]);
+        *reinterpret_cast<__nv_bfloat162*>(dg_out + q * 8) = out.dg;
+        *reinterpret_cast<__nv_bfloat162*>(du_out + q * 8) = out.du;
+        if (a_out) *reinterpret_cast<__nv_bfloat162*>(a_out + q * 8) = out.a;
       }
     }
   }
-  // The four lanes of a quad hold all columns of the same two rows.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 1);
-    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 2);
-  }
-  if (thread % 4 == 0) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = slab + (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
-      if (r < t.rows) p.dp_partial[int64_t(t.row0 + r) * p.n_tiles + t.n_tile] = partial[half];
-    }
-  }
+  store_dp_partials(p, t, partial, slab);
 }
 
 // The same for the padded layout (every slab row is the expert's or a pad row) with
@@ -425,28 +446,16 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
 #pragma unroll
       for (int i = 0; i < kChunksPerBox; ++i) {
         const int q = quarter * kChunksPerBox + i;
-        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g_bits[i]));
-        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u_bits[i]));
         // Pad rows: z may be anything (their A rows were never copied); h reads gave
         // zeros, so with z = 0 too, dg = du = a = 0.
         const float z[2] = {valid[half] ? acc[q * 4 + half * 2] : 0.f,
                             valid[half] ? acc[q * 4 + half * 2 + 1] : 0.f};
-        const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
-        float dg[2], du[2], a[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float sig = 1.0f / (1.0f + __expf(-gs[j]));
-          const float silu_g = gs[j] * sig;
-          a[j] = silu_g * us[j];
-          partial[half] += z[j] * a[j];
-          const float da = weight[half] * z[j];
-          dg[j] = da * us[j] * sig * (1.0f + gs[j] * (1.0f - sig));
-          du[j] = da * silu_g;
-        }
+        const SwiGLUGradPair out =
+            swiglu_backward_pair(z, g_bits[i], u_bits[i], weight[half], partial[half]);
         const int at = r * 128 + ((i ^ (r % 8)) * 16) + pair * 2;
-        *reinterpret_cast<__nv_bfloat162*>(staging + at) = __floats2bfloat162_rn(dg[0], dg[1]);
-        *reinterpret_cast<__nv_bfloat162*>(staging + kBoxBytes + at) = __floats2bfloat162_rn(du[0], du[1]);
-        *reinterpret_cast<__nv_bfloat162*>(staging + 2 * kBoxBytes + at) = __floats2bfloat162_rn(a[0], a[1]);
+        *reinterpret_cast<__nv_bfloat162*>(staging + at) = out.dg;
+        *reinterpret_cast<__nv_bfloat162*>(staging + kBoxBytes + at) = out.du;
+        *reinterpret_cast<__nv_bfloat162*>(staging + 2 * kBoxBytes + at) = out.a;
       }
     }
     fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
@@ -460,19 +469,7 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
       bulk_commit_group();
     }
   }
-  // The four lanes of a quad hold all columns of the same two rows.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 1);
-    partial[half] += __shfl_xor_sync(0xffffffffu, partial[half], 2);
-  }
-  if (thread % 4 == 0) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = slab + (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
-      if (r < t.rows) p.dp_partial[int64_t(t.row0 + r) * p.n_tiles + t.n_tile] = partial[half];
-    }
-  }
+  store_dp_partials(p, t, partial, slab);
 }
 
 // setmaxnreg only moves registers within the block's launch allocation (384 x 168): what
