@@ -54,8 +54,8 @@ def _empty_h(x: Tensor) -> Tensor:
 
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
-                      w_down: Tensor, save_h: bool, acc_gate_up: Optional[Tensor] = None,
-                      acc_down: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                      w_down: Tensor, save_h: bool, acc_gate_up: Optional[Tensor],
+                      acc_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """y, and h (the L1 output in expert-sorted rows) when save_h, else an empty tensor.
     acc_gate_up / acc_down: fp32 buffers the backward adds the weight gradients into (the
     forward only hands them to autograd)."""
@@ -73,7 +73,7 @@ def fused_moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h, acc_gate_up=None, acc_down=None):
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h, acc_gate_up, acc_down):
     T, k, _, I, _ = _sizes(x, topk_ids, w_gate_up)
     return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
 
@@ -93,7 +93,7 @@ def _grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down) 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("acc_gate_up", "acc_down"))
 def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
                        w_gate_up: Tensor, w_down: Tensor, saved_h: Tensor, needs: list[bool],
-                       acc_gate_up: Optional[Tensor] = None, acc_down: Optional[Tensor] = None
+                       acc_gate_up: Optional[Tensor], acc_down: Optional[Tensor]
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx, d topk_weights (fp32), d w_gate_up, d w_down; `needs` says which to compute (an
     empty tensor stands for the others). saved_h: the forward's h, or empty to recompute.
@@ -119,8 +119,7 @@ def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Te
 
 
 @fused_moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs, acc_gate_up=None,
-      acc_down=None):
+def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs, acc_gate_up, acc_down):
     return tuple(_grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down))
 
 
