@@ -40,6 +40,9 @@ step "Python tests" pytest.log python3 -m pytest -v -rs tests/python --ignore=te
 if [ "$gpus" -ge 2 ]; then
   step "EP=2 check" ep_check.log python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     tests/python/ep_check.py --json "$out/ep_check.json"
+  step "EP=2 fused check" ep_check_fused.log timeout 300 python3 -m torch.distributed.run \
+    --standalone --nproc-per-node 2 tests/python/ep_check.py --backend fused \
+    --graph --json "$out/ep_check_fused.json"
 fi
 # The GEMM kernels must use the tensor cores (HGMMA) and never spill to local memory.
 sass_check() {

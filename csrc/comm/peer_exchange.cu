@@ -3,6 +3,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/kernel_preload.h"
 
 namespace megamoe::comm {
 namespace {
@@ -22,6 +23,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   arrive_and_wait(peers, Phase::kCounts, generation, timeout_ns, error);
 }
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&exchange_counts_kernel);
 
 }  // namespace
 

@@ -178,6 +178,74 @@ MEGAMOE_API megamoe_status megamoe_fused_backward(
     megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down,
     void* workspace, size_t workspace_bytes, void* cuda_stream);
 
+/* ---------------------------------------------------------------------------------------
+ * Fused layer with expert parallelism over the GPUs of one node (sm_90a, NVLink). Rank r of world_size W owns global experts [r*E/W, (r+1)*E/W).
+ * Every rank holds one buffer of at least megamoe_ep_buffer_size() bytes, zeroed once at
+ * creation and mapped into every rank's address space (torch symmetric memory);
+ * `buffers[s]` is rank s's buffer as this process sees it. Calls are collective: every
+ * rank makes them in the same order with the same group sizes.
+ * ------------------------------------------------------------------------------------- */
+
+#define MEGAMOE_EP_MAX_RANKS 8
+
+typedef struct megamoe_ep_group {
+  int32_t rank;
+  int32_t world_size;
+  void* buffers[MEGAMOE_EP_MAX_RANKS];
+  uint64_t buffer_bytes;        /* each buffer's size */
+  int64_t num_experts;          /* E, global; a multiple of world_size */
+  int64_t max_tokens_per_rank;  /* T of any call on any rank */
+  int64_t topk;
+  int64_t hidden;
+  int64_t max_recv_rows;        /* (token, expert) rows one rank can receive per call */
+  int64_t timeout_ns;           /* how long a rank waits for a peer before failing */
+} megamoe_ep_group;
+
+/* Bytes of each rank's buffer (the buffers may be NULL for this query). */
+MEGAMOE_API megamoe_status megamoe_ep_buffer_size(const megamoe_ep_group* group, size_t* bytes);
+
+/* Bytes of device workspace of one megamoe_ep_forward (megamoe_ep_backward) call with
+ * `tokens` tokens. */
+MEGAMOE_API megamoe_status megamoe_ep_workspace_size(const megamoe_ep_group* group,
+                                                     int64_t tokens, int64_t intermediate,
+                                                     size_t* bytes);
+MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_group* group,
+                                                              int64_t tokens,
+                                                              int64_t intermediate,
+                                                              size_t* bytes);
+
+/* Offset in this rank's buffer of its int32 error word: 0 after a call that went well,
+ * else a code for megamoe_ep_describe_error (a peer that did not arrive within the timeout,
+ * naming rank and phase; or a receive capacity that would have been exceeded, in which
+ * case no row was sent and y is NaN). Read it after the stream has reached the call. */
+MEGAMOE_API megamoe_status megamoe_ep_error_offset(const megamoe_ep_group* group, size_t* offset);
+MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message, size_t size);
+
+/* y = the layer for this rank's tokens. x [T, H] BFLOAT16, topk_ids [T, k] INT32/INT64
+ * global ids in [-1, E), topk_weights [T, k] FLOAT32, w_gate_up [E/W, 2I, H] and w_down
+ * [E/W, H, I] BFLOAT16 (this rank's experts), y [T, H] BFLOAT16; T <= max_tokens_per_rank.
+ * Bitwise equal to megamoe_fused_forward of the same global problem on one GPU. */
+MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
+                                              const megamoe_tensor* x,
+                                              const megamoe_tensor* topk_ids,
+                                              const megamoe_tensor* topk_weights,
+                                              const megamoe_tensor* w_gate_up,
+                                              const megamoe_tensor* w_down, megamoe_tensor* y,
+                                              void* workspace, size_t workspace_bytes,
+                                              void* cuda_stream);
+
+/* Gradients of <dy, y> (L1 recomputed on the experts' ranks): dx [T, H] BFLOAT16 and
+ * d_topk_weights [T, k] FLOAT32 (0 for an id of -1) for this rank's tokens, d_w_gate_up
+ * [E/W, 2I, H] and d_w_down [E/W, H, I] BFLOAT16 for this rank's experts (zeros for those
+ * without rows); all four required. Bitwise equal to megamoe_fused_backward of the same
+ * global problem on one GPU. */
+MEGAMOE_API megamoe_status megamoe_ep_backward(
+    const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
+    const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
+    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down, megamoe_tensor* dx,
+    megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down,
+    void* workspace, size_t workspace_bytes, void* cuda_stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,9 +1,10 @@
 """megamoe: a fused, trainable Mixture-of-Experts layer for NVIDIA Hopper GPUs."""
 
+from .buffer import Buffer
 from .errors import LibraryError, MegaMoEError, NotBuiltError
 from .module import MoE, route
 from .ops import moe
 
 __version__ = "0.1.0"
 
-__all__ = ["moe", "MoE", "route", "MegaMoEError", "NotBuiltError", "LibraryError", "__version__"]
+__all__ = ["moe", "MoE", "route", "Buffer", "MegaMoEError", "NotBuiltError", "LibraryError", "__version__"]

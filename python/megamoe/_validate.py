@@ -146,9 +146,6 @@ def _require_bf16_and_dims(backend, x, H, I, multiple):
 
 def _check_fused_limits(problem: Problem, x, group):
     H, I = problem.hidden, problem.intermediate
-    if group is not None and problem.world_size > 1:
-        raise NotBuiltError("backend='fused' with an expert-parallel group is not built yet; "
-                            "use backend='torch' for expert parallelism")
     if not x.is_cuda:
         raise MegaMoEError(f"backend='fused' runs on CUDA tensors, got x on {x.device}")
     _require_bf16_and_dims("fused", x, H, I, FUSED_DIM_MULTIPLE)
@@ -157,6 +154,34 @@ def _check_fused_limits(problem: Problem, x, group):
     if problem.num_experts > FUSED_MAX_EXPERTS:
         raise MegaMoEError(f"backend='fused' takes at most {FUSED_MAX_EXPERTS} experts, "
                            f"got {problem.num_experts}")
+
+
+def check_ep_buffer(buffer, problem: Problem, group, backend, x) -> None:
+    """The fused backend under an EP group of more than one rank needs the group's Buffer,
+    made for these sizes; other calls take none."""
+    from .buffer import Buffer
+
+    ep = backend == "fused" and group is not None and problem.world_size > 1
+    if not ep:
+        if buffer is not None:
+            raise MegaMoEError("buffer= belongs to backend='fused' with an expert-parallel group "
+                               "of more than one rank; this call takes no buffer")
+        return
+    if not isinstance(buffer, Buffer):
+        raise MegaMoEError("backend='fused' with an expert-parallel group needs buffer="
+                           "megamoe.Buffer(group, max_tokens_per_rank, hidden, intermediate, "
+                           f"num_experts, topk), got {type(buffer).__name__}")
+    if buffer.group is not group and buffer.world_size != problem.world_size:
+        raise MegaMoEError("buffer: made for another process group")
+    wanted = (problem.num_experts, problem.hidden, problem.intermediate, problem.topk)
+    have = (buffer.num_experts, buffer.hidden, buffer.intermediate, buffer.topk)
+    if wanted != have:
+        raise MegaMoEError(f"buffer: made for (E, H, I, k) = {have}, the call has {wanted}")
+    if x.shape[0] > buffer.max_tokens_per_rank:
+        raise MegaMoEError(f"x: {x.shape[0]} tokens, more than the buffer's "
+                           f"max_tokens_per_rank={buffer.max_tokens_per_rank}")
+    if x.device != buffer.device:
+        raise MegaMoEError(f"x is on {x.device}, the buffer on {buffer.device}")
 
 
 def check_weight_grad_accumulators(accumulators, w_gate_up, w_down, backend) -> None:

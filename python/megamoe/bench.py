@@ -337,6 +337,13 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
     the fused backend's (passed to megamoe.moe)."""
     w_gate_up, w_down = weights
     extra = {} if backward_mode is None else {"backward_mode": backward_mode}
+    buffer = None
+    if backend == "fused" and run.group is not None:
+        # The fused expert-parallel layer runs over the group's communication buffer.
+        T = input_sets[0].x.shape[0]
+        buffer = megamoe.Buffer(run.group, T, w_gate_up.shape[2], w_gate_up.shape[1] // 2,
+                                w_gate_up.shape[0] * run.world_size, input_sets[0].topk_ids.shape[1])
+        extra["buffer"] = buffer
 
     def call(inputs: InputSet):
         # The ids are valid by construction; check_ids=False leaves out the range check's
@@ -346,10 +353,16 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
                            check_ids=False, **extra)
 
     timer = time_forward if forward_only else time_forward_backward
-    timer(call, weights, input_sets, args.warmup, clock)
-    if run.group is not None:
-        torch.distributed.barrier()
-    forward_ms, backward_ms = timer(call, weights, input_sets, args.iters, clock)
+    try:
+        timer(call, weights, input_sets, args.warmup, clock)
+        if run.group is not None:
+            torch.distributed.barrier()
+        forward_ms, backward_ms = timer(call, weights, input_sets, args.iters, clock)
+        if buffer is not None:
+            buffer.check()
+    finally:
+        if buffer is not None:
+            buffer.close()
     medians = [statistics.median(forward_ms), statistics.median(backward_ms or [0.0])]
     if run.group is not None:
         medians = _max_over_ranks(medians, run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate, torch_backend
+from ._ep_op import fused_ep_forward
 from ._fused_op import BACKWARD_MODES, fused_moe
 from ._reference_op import reference_moe
 from .errors import MegaMoEError, NotBuiltError
@@ -27,7 +28,8 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         w_down: [E_local, H, I].
         group: expert-parallel process group of W ranks; rank r owns global experts
             [r*E_local, (r+1)*E_local). None for one device.
-        buffer: the communication buffer of the fused expert-parallel backend (not built yet).
+        buffer: backend="fused" with a group of more than one rank: the group's
+            megamoe.Buffer (its backward recomputes L1).
         precision: "bf16" | "fp8" | "fp8_bwd" | "mxfp8" (matrix precision of fused/torch).
         backend: "fused" | "torch" (TorchTitan-style baseline) | "reference".
         check_ids: check that ids lie in [-1, E_total) (one host sync). Default: checked,
@@ -47,15 +49,22 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     problem = _validate.check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend)
     if backward_mode not in BACKWARD_MODES:
         raise MegaMoEError(f"backward_mode: expected one of {BACKWARD_MODES}, got {backward_mode!r}")
-    if buffer is not None:
-        raise NotBuiltError("buffer= belongs to the fused expert-parallel backend, which is not "
-                            "built yet; the 'torch' and 'reference' backends take no buffer")
+    _validate.check_ep_buffer(buffer, problem, group, backend, x)
     if _validate.should_check_ids(check_ids):
         _validate.check_ids_range(topk_ids, problem.num_experts)
     if backend == "torch":
         return torch_backend.moe(x, topk_ids, topk_weights, w_gate_up, w_down, group)
     if backend == "reference":
         return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
+    if backend == "fused" and buffer is not None:
+        if weight_grad_accumulators is not None:
+            raise NotBuiltError("weight_grad_accumulators: not with an expert-parallel group in "
+                                "this version")
+        if backward_mode == "saved" and torch.is_grad_enabled() and any(
+                t.requires_grad for t in (x, topk_weights, w_gate_up, w_down)):
+            raise NotBuiltError("backward_mode='saved': the expert-parallel backward recomputes "
+                                "L1 in this version; use backward_mode='recompute'")
+        return fused_ep_forward(x, topk_ids, topk_weights, w_gate_up, w_down, buffer.id)
     if backend == "fused":
         return fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, backward_mode,
                          weight_grad_accumulators)

@@ -1,6 +1,7 @@
 """Expert parallelism check, run under torchrun (one process per GPU):
 
     torchrun --nproc-per-node 2 tests/python/ep_check.py [--backend torch] [--cpu]
+    torchrun --nproc-per-node 2 tests/python/ep_check.py --backend fused [--graph] [--repeats 2000]
 
 Every rank draws the same global problem; rank r takes tokens [r*T, (r+1)*T) and experts
 [r*E/W, (r+1)*E/W). The EP=W result, gathered, is compared with EP=1 on the whole problem
@@ -88,11 +89,95 @@ def run_case(case, rank, world, group, backend, seed, device):
     return result
 
 
+def _fused_step(mine, group, buf):
+    return run_with_grads(megamoe.moe, mine, group=group, buffer=buf, backend="fused")
+
+
+def _graph_replay_matches_eager(mine, group, buf, eager):
+    """Captures forward + backward in one CUDA graph, replays it twice and compares y and the
+    gradients with the eager call's, bit for bit."""
+    leaves = {n: mine[n].detach().clone().requires_grad_(True) for n in NAMES}
+    args = dict(mine, **leaves)
+
+    def step():
+        for leaf in leaves.values():
+            leaf.grad = None
+        y = megamoe.moe(args["x"], args["topk_ids"], args["topk_weights"], args["w_gate_up"],
+                        args["w_down"], group=group, buffer=buf, backend="fused")
+        y.backward(mine["dy"])
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    same = True
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        same = same and torch.equal(y, eager[0]) and all(
+            torch.equal(leaves[n].grad, eager[1][n]) for n in NAMES)
+    return same
+
+
+def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
+    """backend="fused" over a megamoe.Buffer, forward and backward: EP=W gathered must equal
+    the one-GPU fused layer bit for bit (y and every gradient); each rank's outputs must be
+    the same on every one of `repeats` back-to-back calls on the same buffer, and, with
+    `graph`, from a CUDA-graph replay of forward + backward."""
+    name, T, H, I, E, k, extra = case
+    p = make_problem(T * world, H, I, E, k, dtype=torch.bfloat16, device=device, seed=seed,
+                     **extra)
+    mine = local_slice(p, rank, world, T, E)
+    buf = megamoe.Buffer(group, T, H, I, E, k)
+    first = _fused_step(mine, group, buf)
+    same = True
+    for i in range(1, repeats):
+        y, grads = _fused_step(mine, group, buf)
+        same = same and torch.equal(y, first[0]) and all(
+            torch.equal(grads[n], first[1][n]) for n in NAMES)
+        if repeats >= 100 and rank == 0 and (i + 1) % 500 == 0:
+            print(f"  {name}: {i + 1}/{repeats} calls", flush=True)
+    graph_same = _graph_replay_matches_eager(mine, group, buf, first) if graph else None
+    torch.cuda.synchronize()
+    buf.check()
+    buf.close()
+    out = {"y": gather(first[0], world, group), **{n: gather(first[1][n], world, group) for n in NAMES}}
+    # Every rank's verdicts, so rank 0 fails if any rank's calls differed.
+    flags = torch.tensor([same, graph_same is not False], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    result = {"case": name, "tokens_per_rank": T, "ep": world, "backend": "fused",
+              "calls": repeats, "same_every_call": bool(flags[0])}
+    if graph:
+        result["graph_replay_equals_eager"] = bool(flags[1])
+    if rank == 0:
+        y1, grads1 = run_with_grads(megamoe.moe, p, backend="fused")
+        ep1 = {"y": y1, **grads1}
+        args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
+        ref = {"y": reference.forward(*args)}
+        ref.update(zip(NAMES, reference.backward(p["dy"], *args)))
+        for n in ref:
+            result[f"{n}_ep_vs_ref"] = rel_err(out[n], ref[n])
+            result[f"{n}_ep_bitwise_ep1"] = bool(torch.equal(out[n], ep1[n]))
+        result["ok"] = bool(flags.all()) and all(result[f"{n}_ep_vs_ref"] < TOLERANCE and
+                                                 result[f"{n}_ep_bitwise_ep1"] for n in ref)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
     parser.add_argument("--cpu", action="store_true", help="float32 on CPU over gloo")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="fused: forward + backward calls per case on the same buffer "
+                             "(default 3; 2000 for the stress run)")
+    parser.add_argument("--graph", action="store_true",
+                        help="fused: also a CUDA-graph replay of forward + backward per case")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.cpu:
@@ -112,7 +197,11 @@ def main():
         print(f"seed {moe_testing.BASE_SEED} (MEGAMOE_TEST_SEED replays it)", flush=True)
     results = []
     for i, case in enumerate(cases(world, not args.cpu)):
-        result = run_case(case, rank, world, group, args.backend, 1000 + i, device)
+        if args.backend == "fused":
+            result = run_case_fused(case, rank, world, group, 1000 + i, device, args.repeats,
+                                    args.graph)
+        else:
+            result = run_case(case, rank, world, group, args.backend, 1000 + i, device)
         if rank == 0:
             print(json.dumps(result), flush=True)
             results.append(result)

@@ -79,9 +79,15 @@ def test_devices_must_match():
         _call(w_down=torch.randn(4, 16, 8, device="cuda"))
 
 
-def test_buffer_is_refused_until_fused_ep_exists():
-    with pytest.raises(NotBuiltError, match="buffer="):
+def test_buffer_only_with_fused_and_a_group():
+    with pytest.raises(MegaMoEError, match="buffer= belongs to backend='fused' with an "
+                                           "expert-parallel group"):
         megamoe.moe(**_args(), buffer=object(), backend="torch")
+
+
+def test_buffer_needs_a_group():
+    with pytest.raises(MegaMoEError, match="Buffer: group is None"):
+        megamoe.Buffer(None, 16, 128, 128, 8, 2)
 
 
 def test_library_errors_name_the_argument():

@@ -14,6 +14,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/kernel_preload.h"
 
 namespace megamoe {
 namespace {
@@ -114,6 +115,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 }
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&combine_rows_kernel<true>);
 
 }  // namespace
 

@@ -4,6 +4,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/kernel_preload.h"
 
 namespace megamoe {
 namespace {
@@ -54,6 +55,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
 }
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&gather_rows_padded_kernel);
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/tensor_check.h"
 #include "kernels/common/device.h"
+#include "kernels/common/kernel_preload.h"
 
 namespace megamoe {
 namespace {
@@ -78,6 +79,8 @@ void check_int32_vector(const megamoe_tensor* t_, const char* name, int64_t size
   require_contiguous(t, name);
   require_data(t, name);
 }
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&routing_counts_kernel<int32_t>);
 
 }  // namespace
 }  // namespace megamoe

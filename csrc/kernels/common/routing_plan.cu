@@ -30,6 +30,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/kernel_preload.h"
 
 namespace megamoe {
 namespace {
@@ -367,6 +368,8 @@ void launch_plan(const Id* ids, int64_t n, int64_t k, int32_t E, int32_t block_m
 bool misaligned(const void* p, size_t alignment) {
   return reinterpret_cast<uintptr_t>(p) % alignment != 0;
 }
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&plan_scan_kernel);
 
 }  // namespace
 

@@ -4,6 +4,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/kernel_preload.h"
 
 namespace megamoe {
 namespace {
@@ -23,6 +24,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   out[s] = sum;
 }
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&reduce_slot_partials_kernel);
 
 }  // namespace
 

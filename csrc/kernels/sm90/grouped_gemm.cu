@@ -9,6 +9,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/kernel_preload.h"
 #include "kernels/sm90/grouped_gemm.cuh"
 
 namespace megamoe::sm90 {
@@ -139,6 +140,9 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, map_h, p);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
+
+[[maybe_unused]] const bool kPreloadable =
+    register_kernel_module(&grouped_gemm_kernel<Epilogue::kStore, 128, false, false>);
 
 }  // namespace
 

@@ -1,0 +1,219 @@
+// ABI entries of the expert-parallel layer (comm/ep_layer.h does the work).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "comm/ep_layer.h"
+#include "core/error.h"
+#include "core/layer_shape.h"
+#include "core/tensor_check.h"
+#include "kernels/common/device.h"
+
+using namespace megamoe;
+
+namespace {
+
+// The internal group; the buffers may be absent for size queries.
+ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
+  if (g == nullptr) throw_invalid("group: expected a pointer, got NULL");
+  ep::Group out{};
+  out.peers.rank = g->rank;
+  out.peers.world_size = g->world_size;
+  if (g->world_size < 1 || g->world_size > MEGAMOE_EP_MAX_RANKS) {
+    throw_invalid("group.world_size: expected 1..8, got " + std::to_string(g->world_size));
+  }
+  for (int r = 0; r < g->world_size; ++r) {
+    out.peers.buffers[r] = static_cast<char*>(g->buffers[r]);
+    // Size queries: a placeholder the layout arithmetic never dereferences.
+    if (!need_buffers && out.peers.buffers[r] == nullptr) {
+      out.peers.buffers[r] = reinterpret_cast<char*>(256);
+    }
+  }
+  out.num_experts = g->num_experts;
+  out.max_tokens = g->max_tokens_per_rank;
+  out.topk = g->topk;
+  out.hidden = g->hidden;
+  out.max_recv_rows = g->max_recv_rows;
+  out.timeout_ns = g->timeout_ns;
+  return out;
+}
+
+// The checks every EP call makes of the group against its inputs.
+LayerShape check_ep_inputs(const ep::Group& g, const megamoe_ep_group* group,
+                           const megamoe_tensor* x, const megamoe_tensor* topk_ids,
+                           const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
+                           const megamoe_tensor* w_down) {
+  const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
+  if (s.E * g.peers.world_size != g.num_experts) {
+    throw_invalid("w_gate_up: expected E/W = " + std::to_string(g.num_experts) + "/" +
+                  std::to_string(g.peers.world_size) + " local experts, got " +
+                  std::to_string(s.E));
+  }
+  if (s.k != g.topk || s.H != g.hidden) {
+    throw_invalid("topk_ids / x: the group was made for k=" + std::to_string(g.topk) +
+                  ", H=" + std::to_string(g.hidden) + ", got k=" + std::to_string(s.k) +
+                  ", H=" + std::to_string(s.H));
+  }
+  if (group->buffer_bytes < ep::buffer_layout(g).total) {
+    throw_invalid("group.buffer_bytes: expected at least " +
+                  std::to_string(ep::buffer_layout(g).total) + " (megamoe_ep_buffer_size)");
+  }
+  require_dtype(*x, "x", {MEGAMOE_DTYPE_BFLOAT16});
+  require_dtype(*topk_ids, "topk_ids", {MEGAMOE_DTYPE_INT32, MEGAMOE_DTYPE_INT64});
+  require_dtype(*topk_weights, "topk_weights", {MEGAMOE_DTYPE_FLOAT32});
+  require_dtype(*w_gate_up, "w_gate_up", {MEGAMOE_DTYPE_BFLOAT16});
+  require_dtype(*w_down, "w_down", {MEGAMOE_DTYPE_BFLOAT16});
+  return s;
+}
+
+using Named = std::pair<const megamoe_tensor*, const char*>;
+
+// Contiguous device data, outputs disjoint from everything else.
+void check_memory(std::initializer_list<Named> inputs, std::initializer_list<Named> outputs) {
+  for (const auto& [t, name] : inputs) {
+    require_contiguous(*t, name);
+    require_data(*t, name);
+    require_device_memory(*t, name);
+  }
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    require_contiguous(*o->first, o->second);
+    require_data(*o->first, o->second);
+    require_device_memory(*o->first, o->second);
+    for (const auto& [t, name] : inputs) require_disjoint(*o->first, o->second, *t, name);
+    for (auto p = outputs.begin(); p != o; ++p) {
+      require_disjoint(*o->first, o->second, *p->first, p->second);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+MEGAMOE_API megamoe_status megamoe_ep_buffer_size(const megamoe_ep_group* group, size_t* bytes) {
+  return abi_call("megamoe_ep_buffer_size", [&] {
+    if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
+    *bytes = ep::buffer_layout(to_group(group, false)).total;
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_workspace_size(const megamoe_ep_group* group,
+                                                     int64_t tokens, int64_t intermediate,
+                                                     size_t* bytes) {
+  return abi_call("megamoe_ep_workspace_size", [&] {
+    if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
+    if (tokens < 0 || intermediate < 128 || intermediate % 128) {
+      throw_invalid("tokens >= 0 and intermediate a positive multiple of 128 expected");
+    }
+    *bytes = ep::forward_workspace_bytes(to_group(group, false), tokens, intermediate);
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_group* group,
+                                                              int64_t tokens,
+                                                              int64_t intermediate,
+                                                              size_t* bytes) {
+  return abi_call("megamoe_ep_backward_workspace_size", [&] {
+    if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
+    if (tokens < 0 || intermediate < 128 || intermediate % 128) {
+      throw_invalid("tokens >= 0 and intermediate a positive multiple of 128 expected");
+    }
+    *bytes = ep::backward_workspace_bytes(to_group(group, false), tokens, intermediate);
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_error_offset(const megamoe_ep_group* group, size_t* offset) {
+  return abi_call("megamoe_ep_error_offset", [&] {
+    if (offset == nullptr) throw_invalid("offset: expected a pointer, got NULL");
+    *offset = ep::buffer_layout(to_group(group, false)).error;
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message, size_t size) {
+  return abi_call("megamoe_ep_describe_error", [&] {
+    if (message == nullptr || size == 0) throw_invalid("message: expected a buffer");
+    const std::string text = comm::describe_error(code);
+    const size_t n = std::min(size - 1, text.size());
+    std::memcpy(message, text.data(), n);
+    message[n] = '\0';
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
+                                              const megamoe_tensor* x,
+                                              const megamoe_tensor* topk_ids,
+                                              const megamoe_tensor* topk_weights,
+                                              const megamoe_tensor* w_gate_up,
+                                              const megamoe_tensor* w_down, megamoe_tensor* y,
+                                              void* workspace, size_t workspace_bytes,
+                                              void* cuda_stream) {
+  return abi_call("megamoe_ep_forward", [&] {
+    const ep::Group g = to_group(group, true);
+    const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
+    check_token_rows(y, "y", s);
+    require_dtype(*y, "y", {MEGAMOE_DTYPE_BFLOAT16});
+    check_memory({{x, "x"}, {topk_ids, "topk_ids"}, {topk_weights, "topk_weights"},
+                  {w_gate_up, "w_gate_up"}, {w_down, "w_down"}},
+                 {{y, "y"}});
+    ep::forward(g, static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
+                topk_ids->dtype == MEGAMOE_DTYPE_INT64, static_cast<const float*>(topk_weights->data),
+                static_cast<const __nv_bfloat16*>(w_gate_up->data),
+                static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.I,
+                static_cast<__nv_bfloat16*>(y->data), workspace, workspace_bytes,
+                static_cast<cudaStream_t>(cuda_stream));
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_backward(
+    const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
+    const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
+    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down, megamoe_tensor* dx,
+    megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down,
+    void* workspace, size_t workspace_bytes, void* cuda_stream) {
+  return abi_call("megamoe_ep_backward", [&] {
+    const ep::Group g = to_group(group, true);
+    const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
+    check_token_rows(dy, "dy", s);
+    check_token_rows(dx, "dx", s);
+    require_dtype(*dy, "dy", {MEGAMOE_DTYPE_BFLOAT16});
+    require_dtype(*dx, "dx", {MEGAMOE_DTYPE_BFLOAT16});
+    for (const auto& [t, name] : {Named{d_topk_weights, "d_topk_weights"},
+                                  Named{d_w_gate_up, "d_w_gate_up"}, Named{d_w_down, "d_w_down"}}) {
+      if (t == nullptr) throw_invalid(std::string(name) + ": required in this version");
+    }
+    require_shape(*d_topk_weights, "d_topk_weights", {{"T", s.T}, {"k", s.k}}, "from topk_ids");
+    require_dtype(*d_topk_weights, "d_topk_weights", {MEGAMOE_DTYPE_FLOAT32});
+    require_shape(*d_w_gate_up, "d_w_gate_up", {{"E", s.E}, {"2I", 2 * s.I}, {"H", s.H}},
+                  "from w_gate_up");
+    require_dtype(*d_w_gate_up, "d_w_gate_up", {MEGAMOE_DTYPE_BFLOAT16});
+    require_shape(*d_w_down, "d_w_down", {{"E", s.E}, {"H", s.H}, {"I", s.I}}, "from w_down");
+    require_dtype(*d_w_down, "d_w_down", {MEGAMOE_DTYPE_BFLOAT16});
+    check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"}, {topk_weights, "topk_weights"},
+                  {w_gate_up, "w_gate_up"}, {w_down, "w_down"}},
+                 {{dx, "dx"}, {d_topk_weights, "d_topk_weights"}, {d_w_gate_up, "d_w_gate_up"},
+                  {d_w_down, "d_w_down"}});
+    ep::backward(g, static_cast<const __nv_bfloat16*>(dy->data),
+                 static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
+                 topk_ids->dtype == MEGAMOE_DTYPE_INT64,
+                 static_cast<const float*>(topk_weights->data),
+                 static_cast<const __nv_bfloat16*>(w_gate_up->data),
+                 static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.I,
+                 static_cast<__nv_bfloat16*>(dx->data), static_cast<float*>(d_topk_weights->data),
+                 static_cast<__nv_bfloat16*>(d_w_gate_up->data),
+                 static_cast<__nv_bfloat16*>(d_w_down->data), workspace, workspace_bytes,
+                 static_cast<cudaStream_t>(cuda_stream));
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,565 @@
+#include "comm/ep_layer.h"
+
+#include <string>
+
+#include "comm/peer_sync.cuh"
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/common/combine_rows.h"
+#include "kernels/common/gather_padded.h"
+#include "kernels/common/routing_plan.h"
+#include "kernels/common/slot_reduce.h"
+#include "kernels/sm90/grouped_gemm.h"
+#include "kernels/common/kernel_preload.h"
+
+namespace megamoe::ep {
+namespace {
+
+constexpr size_t kAlign = 256;
+constexpr int kCopyThreads = 256;
+
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+struct Carver {
+  size_t at = 0;
+  size_t take(size_t bytes) {
+    const size_t offset = at;
+    at += align_up(bytes);
+    return offset;
+  }
+};
+
+// Pieces every call has: the local plan, the layout, and (owner side) an identity map of
+// the received rows, their plan for the one-GPU kernels.
+struct RouteWorkspace {
+  size_t expert_counts, expert_offsets, tile_offsets, row_token, row_slot, slot_row;
+  size_t invalid_count, plan_scratch;
+  size_t recv_expert_offsets, recv_tile_offsets;  // int32 [E_local + 1] each
+  size_t send_base;                               // int32 [E]
+  size_t skip;                                    // int32 [1]
+};
+
+RouteWorkspace carve_route(Carver& c, const Group& g, int64_t T) {
+  RouteWorkspace w{};
+  const int64_t slots = T * g.topk, E = g.num_experts;
+  const int64_t e_local = E / g.peers.world_size;
+  w.expert_counts = c.take(E * 4);
+  w.expert_offsets = c.take((E + 1) * 4);
+  w.tile_offsets = c.take((E + 1) * 4);
+  w.row_token = c.take(slots * 4);
+  w.row_slot = c.take(slots * 4);
+  w.slot_row = c.take(slots * 4);
+  w.invalid_count = c.take(4);
+  w.plan_scratch = c.take(routing_plan_scratch_bytes(slots, E));
+  w.recv_expert_offsets = c.take((e_local + 1) * 4);
+  w.recv_tile_offsets = c.take((e_local + 1) * 4);
+  w.send_base = c.take(E * 4);
+  w.skip = c.take(4);
+  return w;
+}
+
+struct ForwardWorkspace {
+  RouteWorkspace route;
+  size_t activation;  // bf16 [max_recv_rows, I]
+  size_t out_rows;    // bf16 [max_recv_rows, H]
+  size_t total;
+};
+
+ForwardWorkspace carve_forward(const Group& g, int64_t T, int64_t I) {
+  Carver c;
+  ForwardWorkspace w{};
+  w.route = carve_route(c, g, T);
+  w.activation = c.take(g.max_recv_rows * I * 2);
+  w.out_rows = c.take(g.max_recv_rows * g.hidden * 2);
+  w.total = c.at;
+  return w;
+}
+
+// The one-GPU backward's buffers over the received rows (R = max_recv_rows, P its padded
+// bound): fused/backward.cpp's layout, with identity maps standing in for the token and
+// slot of each row.
+struct BackwardWorkspace {
+  RouteWorkspace route;
+  size_t identity;    // int32 [R] 0, 1, ...
+  size_t h;           // bf16 [R, 2I]
+  size_t dh;          // bf16 [P, 2I]
+  size_t a;           // bf16 [P, I]
+  size_t dp_partial;  // fp32 [R, n-tiles of I]
+  size_t dp_rows;     // fp32 [R]
+  size_t token_rows;  // bf16 [P, H]: dx rows, then p dy rows, then x rows
+  size_t total;
+};
+
+BackwardWorkspace carve_backward(const Group& g, int64_t T, int64_t I) {
+  Carver c;
+  BackwardWorkspace w{};
+  const int64_t R = g.max_recv_rows;
+  const int64_t P = padded_rows_bound(R, g.num_experts / g.peers.world_size);
+  w.route = carve_route(c, g, T);
+  w.identity = c.take(R * 4);
+  w.h = c.take(R * 2 * I * 2);
+  w.dh = c.take(P * 2 * I * 2);
+  w.a = c.take(P * I * 2);
+  w.dp_partial = c.take(R * sm90::swiglu_backward_n_tiles(I) * 4);
+  w.dp_rows = c.take(R * 4);
+  w.token_rows = c.take(P * g.hidden * 2);
+  w.total = c.at;
+  return w;
+}
+
+template <class T>
+T* at(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+}
+
+// The buffer offsets the kernels need.
+struct DeviceLayout {
+  size_t recv_rows, recv_dy, recv_weight, recv_src, recv_row, combine_rows, combine_dp;
+  int32_t hidden;
+};
+
+DeviceLayout device_layout(const BufferLayout& b, int64_t H) {
+  return {b.recv_rows, b.recv_dy,        b.recv_weight, b.recv_src,
+          b.recv_row,  b.combine_rows,   b.combine_dp,  static_cast<int32_t>(H)};
+}
+
+// Rows are copied 16 bytes per lane, one warp per row.
+__device__ __forceinline__ void copy_row(const __nv_bfloat16* src, __nv_bfloat16* dst,
+                                         int hidden, int lane) {
+  const auto* s = reinterpret_cast<const uint4*>(src);
+  auto* d = reinterpret_cast<uint4*>(dst);
+  for (int i = lane; i < hidden / 8; i += 32) d[i] = s[i];
+}
+
+// 3. From the [W, E] counts of this exchange: this rank's receive offsets per local
+// expert (sources in rank order), where this rank's rows of each global expert start in
+// its owner's receive area, and the capacity check (every rank reaches the same verdict).
+__global__ void __launch_bounds__(1024)
+    layout_kernel(const __grid_constant__ comm::PeerTable peers, int32_t num_experts,
+                  int32_t experts_per_rank, int64_t capacity, int32_t* recv_expert_offsets,
+                  int32_t* recv_tile_offsets, int32_t* send_base, int32_t* skip,
+                  int32_t* error) {
+  extern __shared__ int32_t totals[];  // [E]: rows of each global expert, all sources
+  __shared__ int over_capacity;
+  char* own = peers.buffers[peers.rank];
+  const uint32_t generation =
+      reinterpret_cast<const uint32_t*>(own + comm::ControlLayout::kGeneration)[int(comm::Phase::kCounts)];
+  const int32_t* counts = comm::ControlLayout::counts(own, num_experts, generation);
+  if (threadIdx.x == 0) over_capacity = 0;
+  for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+    int32_t total = 0;
+    for (int s = 0; s < peers.world_size; ++s) total += counts[s * num_experts + g];
+    totals[g] = total;
+  }
+  __syncthreads();
+  for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+    const int first = (g / experts_per_rank) * experts_per_rank;
+    int32_t base = 0;
+    for (int e = first; e < g; ++e) base += totals[e];
+    for (int s = 0; s < peers.rank; ++s) base += counts[s * num_experts + g];
+    send_base[g] = base;
+  }
+  if (threadIdx.x < peers.world_size) {
+    int64_t rows = 0;
+    for (int e = 0; e < experts_per_rank; ++e) rows += totals[threadIdx.x * experts_per_rank + e];
+    if (rows > capacity) {
+      atomicCAS(error, 0, comm::error_code(comm::Phase::kCapacity, threadIdx.x));
+      over_capacity = 1;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *skip = over_capacity;
+    int32_t offset = 0, tiles = 0;
+    for (int e = 0; e < experts_per_rank; ++e) {
+      recv_expert_offsets[e] = offset;
+      recv_tile_offsets[e] = tiles;
+      const int32_t n = over_capacity ? 0 : totals[peers.rank * experts_per_rank + e];
+      offset += n;
+      tiles += (n + sm90::kGroupedGemmBlockM - 1) / sm90::kGroupedGemmBlockM;
+    }
+    recv_expert_offsets[experts_per_rank] = offset;
+    recv_tile_offsets[experts_per_rank] = tiles;
+  }
+}
+
+// 4. Each sorted row of the local plan (one warp per row) to its expert's owner; with dy,
+// also the dy row and the slot's router weight (the backward).
+__global__ void __launch_bounds__(kCopyThreads)
+    dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
+                    const __grid_constant__ DeviceLayout layout,
+                    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
+                    const float* __restrict__ topk_weights,
+                    const int32_t* __restrict__ expert_offsets,
+                    const int32_t* __restrict__ row_token, const int32_t* __restrict__ row_slot,
+                    const int32_t* __restrict__ send_base, const int32_t* __restrict__ skip,
+                    int32_t num_experts, int32_t experts_per_rank) {
+  if (*skip == 0) {
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (kCopyThreads / 32);
+    const int rows = expert_offsets[num_experts];
+    for (int r = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; r < rows; r += warps) {
+      int lo = 0, hi = num_experts - 1;  // last expert whose first row is <= r
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (expert_offsets[mid] <= r) lo = mid; else hi = mid - 1;
+      }
+      const int owner = lo / experts_per_rank;
+      const int64_t pos = send_base[lo] + (r - expert_offsets[lo]);
+      char* dst = peers.buffers[owner];
+      const int64_t token = row_token[r];
+      copy_row(x + token * layout.hidden,
+               reinterpret_cast<__nv_bfloat16*>(dst + layout.recv_rows) + pos * layout.hidden,
+               layout.hidden, lane);
+      if (dy != nullptr) {
+        copy_row(dy + token * layout.hidden,
+                 reinterpret_cast<__nv_bfloat16*>(dst + layout.recv_dy) + pos * layout.hidden,
+                 layout.hidden, lane);
+      }
+      if (lane == 0) {
+        reinterpret_cast<int32_t*>(dst + layout.recv_src)[pos] = peers.rank;
+        reinterpret_cast<int32_t*>(dst + layout.recv_row)[pos] = r;
+        if (dy != nullptr) {
+          reinterpret_cast<float*>(dst + layout.recv_weight)[pos] = topk_weights[row_slot[r]];
+        }
+      }
+    }
+  }
+  __threadfence_system();  // before the phase kernel's release signal
+}
+
+// 6. Each received row's result back to its source rank, at the source's sorted row; with
+// dp_rows, also its d topk_weights (the backward).
+__global__ void __launch_bounds__(kCopyThreads)
+    combine_send_kernel(const __grid_constant__ comm::PeerTable peers,
+                    const __grid_constant__ DeviceLayout layout,
+                        const __nv_bfloat16* __restrict__ out_rows,
+                        const float* __restrict__ dp_rows,
+                        const int32_t* __restrict__ recv_expert_offsets,
+                        int32_t experts_per_rank) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (kCopyThreads / 32);
+  const char* own = peers.buffers[peers.rank];
+  const auto* recv_src = reinterpret_cast<const int32_t*>(own + layout.recv_src);
+  const auto* recv_row = reinterpret_cast<const int32_t*>(own + layout.recv_row);
+  const int rows = recv_expert_offsets[experts_per_rank];  // 0 when skipping
+  for (int pos = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; pos < rows; pos += warps) {
+    char* dst = peers.buffers[recv_src[pos]];
+    const int64_t r = recv_row[pos];
+    copy_row(out_rows + int64_t(pos) * layout.hidden,
+             reinterpret_cast<__nv_bfloat16*>(dst + layout.combine_rows) + r * layout.hidden,
+             layout.hidden, lane);
+    if (dp_rows != nullptr && lane == 0) {
+      reinterpret_cast<float*>(dst + layout.combine_dp)[r] = dp_rows[pos];
+    }
+  }
+  __threadfence_system();
+}
+
+__global__ void phase_kernel(const __grid_constant__ comm::PeerTable peers, comm::Phase phase,
+                             int64_t timeout_ns, int32_t* error) {
+  const uint32_t generation = comm::next_generation(peers, phase);
+  comm::arrive_and_wait(peers, phase, generation, timeout_ns, error);
+}
+
+// A skipped call (capacity) must not look like a result.
+template <class T>
+__global__ void poison_if_skipped_kernel(T* out, int64_t n, const int32_t* skip) {
+  if (*skip == 0) return;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = T(__int_as_float(0x7fc00000));
+  }
+}
+
+template <class T>
+void poison_if_skipped(T* out, int64_t n, const int32_t* skip, int sms, cudaStream_t stream) {
+  if (out == nullptr || n == 0) return;
+  poison_if_skipped_kernel<T><<<sms, 256, 0, stream>>>(out, n, skip);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+__global__ void iota_kernel(int32_t* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = static_cast<int32_t>(i);
+  }
+}
+
+void check_group(const Group& g) {
+  const comm::PeerTable& p = g.peers;
+  if (p.world_size < 1 || p.world_size > comm::kMaxRanks || p.rank < 0 || p.rank >= p.world_size) {
+    throw_invalid("EP group: expected 0 <= rank < world_size <= 8, got rank " +
+                  std::to_string(p.rank) + " of " + std::to_string(p.world_size));
+  }
+  for (int r = 0; r < p.world_size; ++r) {
+    if (p.buffers[r] == nullptr) throw_invalid("EP group: no buffer for rank " + std::to_string(r));
+  }
+  if (g.num_experts < 1 || g.num_experts % p.world_size) {
+    throw_invalid("EP group: num_experts " + std::to_string(g.num_experts) +
+                  " is not a positive multiple of the world size " + std::to_string(p.world_size));
+  }
+  if (g.hidden < 128 || g.hidden % 128 || g.topk < 1 || g.topk > 16 || g.max_tokens < 0 ||
+      g.max_recv_rows < 1 || g.timeout_ns < 1) {
+    throw_invalid("EP group: bad sizes (H a multiple of 128, 1 <= k <= 16, max_recv_rows >= 1, "
+                  "timeout > 0)");
+  }
+}
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&phase_kernel);
+
+}  // namespace
+
+BufferLayout buffer_layout(const Group& g) {
+  check_group(g);
+  Carver c;
+  BufferLayout b{};
+  const int64_t R = g.max_recv_rows, slots = g.max_tokens * g.topk;
+  b.control = c.take(comm::ControlLayout::bytes(g.num_experts));
+  b.error = c.take(sizeof(int32_t));
+  b.recv_rows = c.take(R * g.hidden * 2);
+  b.recv_dy = c.take(R * g.hidden * 2);
+  b.recv_weight = c.take(R * 4);
+  b.recv_src = c.take(R * 4);
+  b.recv_row = c.take(R * 4);
+  b.combine_rows = c.take(slots * g.hidden * 2);
+  b.combine_dp = c.take(slots * 4);
+  b.total = c.at;
+  return b;
+}
+
+size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate) {
+  check_group(g);
+  return carve_forward(g, tokens, intermediate).total;
+}
+
+size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate) {
+  check_group(g);
+  return carve_backward(g, tokens, intermediate).total;
+}
+
+namespace {
+
+// What steps 1-4 leave for the rest of a call.
+struct Routed {
+  RoutingPlan plan;           // local, over all E experts
+  RoutingPlan recv;           // the received rows' (owner side; row_token/row_slot: identity)
+  int32_t* skip;
+  int32_t* error;
+  BufferLayout buffer;
+  DeviceLayout layout;
+  int64_t e_local;
+  int sms;
+};
+
+void check_call(const Group& g, int64_t T, int64_t I) {
+  check_group(g);
+  if (T < 0 || T > g.max_tokens) {
+    throw_invalid("tokens: expected 0 <= T <= max_tokens_per_rank (" +
+                  std::to_string(g.max_tokens) + "), got " + std::to_string(T));
+  }
+  if (I < 128 || I % 128) throw_invalid("intermediate: expected a positive multiple of 128");
+}
+
+// Steps 1-4: local plan, counts, layout, dispatch (x rows; with dy, dy rows and weights),
+// and the dispatch phase.
+Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspace,
+                          const __nv_bfloat16* x, const __nv_bfloat16* dy, const void* topk_ids,
+                          bool ids_are_int64, const float* topk_weights, int64_t T,
+                          cudaStream_t stream) {
+  // Everything this call launches behind the first peer wait must be loaded already
+  // (kernel_preload.h says why).
+  preload_kernels();
+  const comm::PeerTable& peers = g.peers;
+  const int64_t E = g.num_experts, k = g.topk;
+  Routed r{};
+  r.e_local = E / peers.world_size;
+  r.buffer = buffer_layout(g);
+  r.layout = device_layout(r.buffer, g.hidden);
+  char* own = peers.buffers[peers.rank];
+  r.error = reinterpret_cast<int32_t*>(own + r.buffer.error);
+  r.plan = {at<int32_t>(workspace, w.expert_counts), at<int32_t>(workspace, w.expert_offsets),
+            at<int32_t>(workspace, w.tile_offsets),  at<int32_t>(workspace, w.row_token),
+            at<int32_t>(workspace, w.row_slot),      at<int32_t>(workspace, w.slot_row),
+            at<int32_t>(workspace, w.invalid_count)};
+  build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGroupedGemmBlockM, r.plan,
+                     at<void>(workspace, w.plan_scratch), stream);
+  comm::exchange_counts(peers, r.plan.expert_counts, E, g.timeout_ns, r.error, stream);
+
+  r.recv.expert_offsets = at<int32_t>(workspace, w.recv_expert_offsets);
+  r.recv.tile_offsets = at<int32_t>(workspace, w.recv_tile_offsets);
+  auto* send_base = at<int32_t>(workspace, w.send_base);
+  r.skip = at<int32_t>(workspace, w.skip);
+  layout_kernel<<<1, 1024, E * sizeof(int32_t), stream>>>(
+      peers, static_cast<int32_t>(E), static_cast<int32_t>(r.e_local), g.max_recv_rows,
+      r.recv.expert_offsets, r.recv.tile_offsets, send_base, r.skip, r.error);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, device));
+  dispatch_kernel<<<r.sms * 2, kCopyThreads, 0, stream>>>(
+      peers, r.layout, x, dy, topk_weights, r.plan.expert_offsets, r.plan.row_token,
+      r.plan.row_slot, send_base, r.skip, static_cast<int32_t>(E), static_cast<int32_t>(r.e_local));
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  phase_kernel<<<1, 32, 0, stream>>>(peers, comm::Phase::kDispatch, g.timeout_ns, r.error);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  return r;
+}
+
+// Steps 6's send and signal.
+void send_back(const Group& g, const Routed& r, const __nv_bfloat16* rows, const float* dp_rows,
+               cudaStream_t stream) {
+  combine_send_kernel<<<r.sms * 2, kCopyThreads, 0, stream>>>(
+      g.peers, r.layout, rows, dp_rows, r.recv.expert_offsets, static_cast<int32_t>(r.e_local));
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void combine_phase(const Group& g, const Routed& r, cudaStream_t stream) {
+  phase_kernel<<<1, 32, 0, stream>>>(g.peers, comm::Phase::kCombine, g.timeout_ns, r.error);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// The received rows as one-GPU GEMM arguments (materialised A, expert-sorted).
+sm90::GroupedGemmArgs received_rows(const Group& g, const Routed& r) {
+  sm90::GroupedGemmArgs a{};
+  a.a_rows = g.max_recv_rows;
+  a.num_experts = r.e_local;
+  a.expert_offsets = r.recv.expert_offsets;
+  a.tile_offsets = r.recv.tile_offsets;
+  return a;
+}
+
+}  // namespace
+
+void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
+             const float* topk_weights, const __nv_bfloat16* w_gate_up,
+             const __nv_bfloat16* w_down, int64_t T, int64_t I, __nv_bfloat16* y,
+             void* workspace, size_t workspace_size, cudaStream_t stream) {
+  check_call(g, T, I);
+  const ForwardWorkspace w = carve_forward(g, T, I);
+  if (workspace == nullptr || workspace_size < w.total) {
+    throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
+  }
+  const Routed r = route_and_dispatch(g, w.route, workspace, x, nullptr, topk_ids, ids_are_int64,
+                                      nullptr, T, stream);
+  char* own = g.peers.buffers[g.peers.rank];
+  const int64_t H = g.hidden;
+
+  // The received rows are expert-sorted already: the one-GPU GEMMs run on them as they are.
+  auto* activation = at<__nv_bfloat16>(workspace, w.activation);
+  auto* out_rows = at<__nv_bfloat16>(workspace, w.out_rows);
+  sm90::GroupedGemmArgs l1 = received_rows(g, r);
+  l1.a = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_rows);
+  l1.b = w_gate_up;
+  l1.b_rows_per_expert = 2 * I;
+  l1.k = H;
+  l1.c = activation;
+  l1.ldc = I;
+  sm90::grouped_gemm_swiglu(l1, I, stream);
+  sm90::GroupedGemmArgs l2 = received_rows(g, r);
+  l2.a = activation;
+  l2.b = w_down;
+  l2.b_rows_per_expert = H;
+  l2.k = I;
+  l2.c = out_rows;
+  l2.ldc = H;
+  sm90::grouped_gemm(l2, stream);
+
+  send_back(g, r, out_rows, nullptr, stream);
+  combine_phase(g, r, stream);
+  if (T == 0) return;
+  combine_rows(reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.combine_rows), H,
+               r.plan.slot_row, topk_weights, false, T, g.topk, y, stream);
+  poison_if_skipped(y, T * H, r.skip, r.sms, stream);
+}
+
+void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
+              const void* topk_ids, bool ids_are_int64, const float* topk_weights,
+              const __nv_bfloat16* w_gate_up, const __nv_bfloat16* w_down, int64_t T, int64_t I,
+              __nv_bfloat16* dx, float* d_topk_weights, __nv_bfloat16* d_w_gate_up,
+              __nv_bfloat16* d_w_down, void* workspace, size_t workspace_size,
+              cudaStream_t stream) {
+  check_call(g, T, I);
+  if (!dy || !dx || !d_topk_weights || !d_w_gate_up || !d_w_down) {
+    throw_invalid("EP backward: dy and every gradient are required in this version");
+  }
+  const BackwardWorkspace w = carve_backward(g, T, I);
+  if (workspace == nullptr || workspace_size < w.total) {
+    throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
+  }
+  Routed r = route_and_dispatch(g, w.route, workspace, x, dy, topk_ids, ids_are_int64,
+                                topk_weights, T, stream);
+  char* own = g.peers.buffers[g.peers.rank];
+  const int64_t H = g.hidden, R = g.max_recv_rows, E_local = r.e_local;
+  const int64_t P = padded_rows_bound(R, E_local);
+  auto* identity = at<int32_t>(workspace, w.identity);
+  iota_kernel<<<r.sms, 256, 0, stream>>>(identity, R);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  r.recv.row_token = identity;  // received row i is "token" i of the receive area
+  r.recv.row_slot = identity;   // and "slot" i of recv_weight
+  const auto* recv_x = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_rows);
+  const auto* recv_dy = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_dy);
+  const auto* recv_weight = reinterpret_cast<const float*>(own + r.buffer.recv_weight);
+  auto* h = at<__nv_bfloat16>(workspace, w.h);
+  auto* dh = at<__nv_bfloat16>(workspace, w.dh);
+  auto* a = at<__nv_bfloat16>(workspace, w.a);
+  auto* dp_partial = at<float>(workspace, w.dp_partial);
+  auto* dp_rows = at<float>(workspace, w.dp_rows);
+  auto* token_rows = at<__nv_bfloat16>(workspace, w.token_rows);
+
+  // L1 recomputed on the received x rows.
+  sm90::GroupedGemmArgs l1 = received_rows(g, r);
+  l1.a = recv_x;
+  l1.b = w_gate_up;
+  l1.b_rows_per_expert = 2 * I;
+  l1.k = H;
+  l1.c = h;
+  l1.ldc = 2 * I;
+  sm90::grouped_gemm(l1, stream);
+  // dgrad of L2 with the SwiGLU backward: dh and a padded, dp partials per received row.
+  sm90::GroupedGemmArgs l2 = received_rows(g, r);
+  l2.a = recv_dy;
+  l2.b = w_down;
+  l2.k = H;
+  l2.n = I;
+  l2.c_padded = true;
+  l2.c_rows = P;
+  sm90::grouped_gemm_swiglu_backward(l2, {h, dh, recv_weight, identity, dp_partial, a}, stream);
+  // dgrad of L1: the dx rows, in received order.
+  sm90::GroupedGemmArgs l1_dgrad = received_rows(g, r);
+  l1_dgrad.a = dh;
+  l1_dgrad.a_padded = true;
+  l1_dgrad.a_rows = P;
+  l1_dgrad.b = w_gate_up;
+  l1_dgrad.k = 2 * I;
+  l1_dgrad.n = H;
+  l1_dgrad.c = token_rows;
+  l1_dgrad.ldc = H;
+  l1_dgrad.c_rows = R;
+  sm90::grouped_gemm_b_n_major(l1_dgrad, stream);
+  reduce_slot_partials(dp_partial, sm90::swiglu_backward_n_tiles(I), identity, R, dp_rows, stream);
+  send_back(g, r, token_rows, dp_rows, stream);
+
+  // Weight gradients (local) while the peers finish: token_rows is free again.
+  gather_rows_padded(recv_dy, H, r.recv, E_local, recv_weight, P, token_rows, stream);
+  sm90::grouped_gemm_wgrad({token_rows, a, P, H, I, E_local, r.recv.tile_offsets, d_w_down},
+                           stream);
+  gather_rows_padded(recv_x, H, r.recv, E_local, nullptr, P, token_rows, stream);
+  sm90::grouped_gemm_wgrad({dh, token_rows, P, 2 * I, H, E_local, r.recv.tile_offsets,
+                            d_w_gate_up}, stream);
+  combine_phase(g, r, stream);
+
+  if (T > 0) {
+    combine_rows(reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.combine_rows), H,
+                 r.plan.slot_row, nullptr, false, T, g.topk, dx, stream);
+    reduce_slot_partials(reinterpret_cast<const float*>(own + r.buffer.combine_dp), 1,
+                         r.plan.slot_row, T * g.topk, d_topk_weights, stream);
+  }
+  poison_if_skipped(dx, T * H, r.skip, r.sms, stream);
+  poison_if_skipped(d_topk_weights, T * g.topk, r.skip, r.sms, stream);
+  poison_if_skipped(d_w_gate_up, E_local * 2 * I * H, r.skip, r.sms, stream);
+  poison_if_skipped(d_w_down, E_local * H * I, r.skip, r.sms, stream);
+}
+
+}  // namespace megamoe::ep

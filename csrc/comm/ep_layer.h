@@ -1,0 +1,84 @@
+// The fused layer with expert parallelism over the GPUs of one node, first version: token
+// rows move to their experts' ranks and results come back by peer stores, in kernels of
+// their own around the one-GPU grouped GEMMs (no overlap yet), with the counts exchanged
+// and every hand-off signalled on the device (no host sync).
+//
+// Rank r of W owns global experts [r * E_local, (r + 1) * E_local). A call:
+//   1. local routing plan over all E experts (rows sorted by global expert, stable);
+//   2. counts exchanged (peer_exchange.h): every rank has the [W, E] matrix;
+//   3. layout (one block): this rank's receive offsets per local expert (rows from rank 0,
+//      then 1, ...: the global token order, so EP matches EP=1 bit for bit), where its
+//      rows go in every owner's receive area, and the capacity check;
+//   4. dispatch: x rows (backward: and dy rows and router weights), with their source rank
+//      and sorted row, into the owners' receive areas; signal;
+//   5. the one-GPU kernels on the received rows (expert-sorted, materialised);
+//   6. combine send: each result row (backward: dx row and d topk_weights) into its source
+//      rank's combine area at the source's sorted row; signal;
+//   7. the source's fixed-order combine -> y (backward: dx, d topk_weights).
+// Weight gradients stay on the owner. A rank that would receive more rows than
+// max_recv_rows makes every rank skip the sends (they all see the same counts) and write
+// NaN into every output, with a capacity error code.
+//
+// Reuse without a reset: a rank cannot start a call's sends into a peer before that peer
+// has passed the previous call's combine phase, which it signals only after its kernels
+// have read its receive area for that call.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/peer_exchange.h"
+
+namespace megamoe::ep {
+
+struct Group {
+  comm::PeerTable peers;
+  int64_t num_experts;       // E, global; a multiple of world_size
+  int64_t max_tokens;        // per rank and call
+  int64_t topk;
+  int64_t hidden;
+  int64_t max_recv_rows;     // rows a rank's receive area holds
+  int64_t timeout_ns;
+};
+
+// Layout of each rank's symmetric buffer (identical on every rank).
+struct BufferLayout {
+  size_t control;       // comm::ControlLayout
+  size_t error;         // int32: 0, or a comm::describe_error code of this rank's last call
+  size_t recv_rows;     // bf16 [max_recv_rows, H] x rows
+  size_t recv_dy;       // bf16 [max_recv_rows, H] dy rows (backward)
+  size_t recv_weight;   // fp32 [max_recv_rows] router weight of each row (backward)
+  size_t recv_src;      // int32 [max_recv_rows] source rank of each received row
+  size_t recv_row;      // int32 [max_recv_rows] its sorted row on the source
+  size_t combine_rows;  // bf16 [max_tokens * k, H] results, at this rank's sorted rows
+  size_t combine_dp;    // fp32 [max_tokens * k] d topk_weights, likewise (backward)
+  size_t total;
+};
+BufferLayout buffer_layout(const Group& g);
+
+// Device workspace of one call (caller-allocated, no initialisation).
+size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate);
+size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate);
+
+// x [T, H] bf16, topk_ids [T, k] int32/int64 global ids in [-1, E), topk_weights [T, k]
+// fp32, w_gate_up [E_local, 2I, H], w_down [E_local, H, I] bf16; y [T, H] bf16. Collective:
+// every rank of the group calls it with the same E, H, I, k.
+void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
+             const float* topk_weights, const __nv_bfloat16* w_gate_up,
+             const __nv_bfloat16* w_down, int64_t T, int64_t I, __nv_bfloat16* y,
+             void* workspace, size_t workspace_size, cudaStream_t stream);
+
+// Recompute mode (L1 recomputed on the owner from the dispatched x rows). Writes dx [T, H]
+// bf16, d_topk_weights [T, k] fp32 (0 for an id of -1), d_w_gate_up [E_local, 2I, H] and
+// d_w_down [E_local, H, I] bf16 (this rank's experts, zeros for those without rows).
+void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
+              const void* topk_ids, bool ids_are_int64, const float* topk_weights,
+              const __nv_bfloat16* w_gate_up, const __nv_bfloat16* w_down, int64_t T, int64_t I,
+              __nv_bfloat16* dx, float* d_topk_weights, __nv_bfloat16* d_w_gate_up,
+              __nv_bfloat16* d_w_down, void* workspace, size_t workspace_size,
+              cudaStream_t stream);
+
+}  // namespace megamoe::ep

@@ -1,0 +1,129 @@
+"""`megamoe.Buffer`: the communication buffer of the fused expert-parallel backend, one per
+EP group, created once and reused by every layer and call.
+
+It lives in torch symmetric memory (NVLink multicast off), so every rank's kernels can
+store into every other rank's buffer through a table of peer pointers. Sizes are fixed at
+creation: `max_tokens_per_rank` tokens per call, `max_recv_rows` (token, expert) rows a
+rank can receive per call (default: every token of every rank, k times).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from . import _lib
+from .errors import MegaMoEError
+
+MAX_RANKS = 8
+_BUFFERS: dict[int, "Buffer"] = {}  # by id, for the custom op (it takes ints, not objects)
+_IDS = itertools.count(1)
+
+
+class EpGroupStruct(ctypes.Structure):
+    """Mirror of `megamoe_ep_group`."""
+
+    _fields_ = [
+        ("rank", ctypes.c_int32),
+        ("world_size", ctypes.c_int32),
+        ("buffers", ctypes.c_void_p * MAX_RANKS),
+        ("buffer_bytes", ctypes.c_uint64),
+        ("num_experts", ctypes.c_int64),
+        ("max_tokens_per_rank", ctypes.c_int64),
+        ("topk", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("max_recv_rows", ctypes.c_int64),
+        ("timeout_ns", ctypes.c_int64),
+    ]
+
+
+class Buffer:
+    """Communication buffer of one expert-parallel group (collective: every rank of `group`
+    creates it with the same arguments, before any layer uses it, outside any checkpointed
+    region)."""
+
+    def __init__(self, group, max_tokens_per_rank: int, hidden: int, intermediate: int,
+                 num_experts: int, topk: int, *, max_recv_rows: int | None = None,
+                 timeout_s: float = 10.0):
+        if group is None:
+            raise MegaMoEError("Buffer: group is None; a buffer belongs to an expert-parallel "
+                               "process group")
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        if not 1 <= world <= MAX_RANKS:
+            raise MegaMoEError(f"Buffer: EP groups of 1..{MAX_RANKS} ranks (one node), got {world}")
+        for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
+                            ("intermediate", intermediate), ("num_experts", num_experts),
+                            ("topk", topk)):
+            if not isinstance(value, int) or value < 1:
+                raise MegaMoEError(f"Buffer: {name} must be a positive int, got {value!r}")
+        if num_experts % world:
+            raise MegaMoEError(f"Buffer: num_experts={num_experts} is not divisible by the group "
+                               f"size {world}")
+        if max_recv_rows is None:
+            max_recv_rows = world * max_tokens_per_rank * topk
+        if timeout_s <= 0:
+            raise MegaMoEError(f"Buffer: timeout_s must be > 0, got {timeout_s}")
+        settings = (max_tokens_per_rank, hidden, intermediate, num_experts, topk, max_recv_rows)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, settings, group=group)
+        for other, theirs in enumerate(gathered):
+            if theirs != settings:
+                raise MegaMoEError(f"Buffer: rank {rank} has (max_tokens_per_rank, hidden, "
+                                   f"intermediate, num_experts, topk, max_recv_rows) = {settings}, "
+                                   f"rank {other} has {theirs}; every rank must agree")
+        self.group, self.rank, self.world_size = group, rank, world
+        self.max_tokens_per_rank, self.hidden, self.intermediate = settings[:3]
+        self.num_experts, self.topk, self.max_recv_rows = settings[3:]
+        self._struct = EpGroupStruct(rank=rank, world_size=world, num_experts=num_experts,
+                                     max_tokens_per_rank=max_tokens_per_rank, topk=topk,
+                                     hidden=hidden, max_recv_rows=max_recv_rows,
+                                     timeout_ns=int(timeout_s * 1e9))
+        size = ctypes.c_size_t()
+        _lib.call("megamoe_ep_buffer_size", ctypes.byref(self._struct), ctypes.byref(size))
+        offset = ctypes.c_size_t()
+        _lib.call("megamoe_ep_error_offset", ctypes.byref(self._struct), ctypes.byref(offset))
+        self._error_offset = offset.value
+
+        import torch.distributed._symmetric_memory as symm_mem
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        self._memory = symm_mem.empty(size.value, dtype=torch.uint8, device=device)
+        self._memory.zero_()  # the control area's generations and signals start at 0, once
+        self._handle = symm_mem.rendezvous(self._memory, group)
+        self._handle.barrier()
+        self._struct.buffer_bytes = size.value
+        for r, ptr in enumerate(self._handle.buffer_ptrs):
+            self._struct.buffers[r] = ptr
+        self.device = device
+        self.id = next(_IDS)
+        _BUFFERS[self.id] = self
+
+    def check(self) -> None:
+        """Raises MegaMoEError if the last call on this buffer failed on this rank (a peer
+        that did not arrive, or the receive capacity). Waits for the current stream."""
+        code = int(self._memory[self._error_offset:self._error_offset + 4].view(torch.int32).item())
+        if code:
+            message = ctypes.create_string_buffer(256)
+            _lib.call("megamoe_ep_describe_error", code, message, 256)
+            raise MegaMoEError(f"expert-parallel call failed on rank {self.rank}: "
+                               f"{message.value.decode()}")
+
+    def close(self) -> None:
+        _BUFFERS.pop(self.id, None)
+
+    def __repr__(self):
+        return (f"megamoe.Buffer(rank {self.rank} of {self.world_size}, E={self.num_experts}, "
+                f"H={self.hidden}, I={self.intermediate}, k={self.topk}, "
+                f"max_tokens_per_rank={self.max_tokens_per_rank}, "
+                f"max_recv_rows={self.max_recv_rows})")
+
+
+def get(buffer_id: int) -> Buffer:
+    try:
+        return _BUFFERS[buffer_id]
+    except KeyError:
+        raise MegaMoEError(f"no open megamoe.Buffer with id {buffer_id}") from None
