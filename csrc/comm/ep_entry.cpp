@@ -39,6 +39,11 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
   out.hidden = g->hidden;
   out.max_recv_rows = g->max_recv_rows;
   out.timeout_ns = g->timeout_ns;
+  if (g->num_comm_sms < 0) {
+    throw_invalid("group.num_comm_sms: expected >= 0 (0: every SM), got " +
+                  std::to_string(g->num_comm_sms));
+  }
+  out.comm_sms = g->num_comm_sms;
   return out;
 }
 

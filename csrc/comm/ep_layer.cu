@@ -5,7 +5,6 @@
 #include "comm/peer_sync.cuh"
 #include "core/cuda_check.h"
 #include "core/error.h"
-#include "kernels/common/combine_rows.h"
 #include "kernels/common/gather_padded.h"
 #include "kernels/common/routing_plan.h"
 #include "kernels/common/slot_reduce.h"
@@ -37,6 +36,8 @@ struct RouteWorkspace {
   size_t recv_expert_offsets, recv_tile_offsets;  // int32 [E_local + 1] each
   size_t send_base;                               // int32 [E]
   size_t skip;                                    // int32 [1]
+  size_t token_pos;                               // int32 [T, W]
+  size_t token_count;                             // int32 [W]
 };
 
 RouteWorkspace carve_route(Carver& c, const Group& g, int64_t T) {
@@ -55,6 +56,8 @@ RouteWorkspace carve_route(Carver& c, const Group& g, int64_t T) {
   w.recv_tile_offsets = c.take((e_local + 1) * 4);
   w.send_base = c.take(E * 4);
   w.skip = c.take(4);
+  w.token_pos = c.take(T * g.peers.world_size * 4);
+  w.token_count = c.take(comm::kMaxRanks * 4);
   return w;
 }
 
@@ -112,15 +115,23 @@ T* at(void* base, size_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
-// The buffer offsets the kernels need.
+// The buffer offsets and sizes the kernels need.
 struct DeviceLayout {
-  size_t recv_rows, recv_dy, recv_weight, recv_src, recv_row, combine_rows, combine_dp;
-  int32_t hidden;
+  size_t recv_x, recv_dy, recv_token_count, recv_token_source, recv_slot_row, recv_row_token,
+      recv_weight, combine_rows, combine_dp;
+  int32_t hidden, topk, max_tokens;
 };
 
-DeviceLayout device_layout(const BufferLayout& b, int64_t H) {
-  return {b.recv_rows, b.recv_dy,        b.recv_weight, b.recv_src,
-          b.recv_row,  b.combine_rows,   b.combine_dp,  static_cast<int32_t>(H)};
+DeviceLayout device_layout(const BufferLayout& b, const Group& g) {
+  return {b.recv_x,         b.recv_dy,        b.recv_token_count, b.recv_token_source,
+          b.recv_slot_row,  b.recv_row_token, b.recv_weight,      b.combine_rows,
+          b.combine_dp,     static_cast<int32_t>(g.hidden), static_cast<int32_t>(g.topk),
+          static_cast<int32_t>(g.max_tokens)};
+}
+
+template <class T>
+__device__ __forceinline__ T* in(char* buffer, size_t offset) {
+  return reinterpret_cast<T*>(buffer + offset);
 }
 
 // Rows are copied 16 bytes per lane, one warp per row.
@@ -183,77 +194,204 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// 4. Each sorted row of the local plan (one warp per row) to its expert's owner; with dy,
-// also the dy row and the slot's router weight (the backward).
+// 1b. Which ranks each token goes to (the owners of its valid slots) and its place among
+// this rank's tokens sent to each of them, tokens in order: token_pos [T, W] (-1: not
+// sent), token_count [W]. One block; the scan is over per-thread chunks of tokens.
+template <class Id>
+__global__ void __launch_bounds__(1024)
+    token_plan_kernel(const Id* __restrict__ topk_ids, const int32_t* __restrict__ slot_row,
+                      int64_t T, int32_t k, int32_t experts_per_rank, int32_t world,
+                      int32_t* __restrict__ token_pos, int32_t* __restrict__ token_count) {
+  __shared__ int32_t chunk_start[comm::kMaxRanks][1024];
+  const int64_t per_thread = (T + blockDim.x - 1) / blockDim.x;
+  const int64_t first = threadIdx.x * per_thread, last = min(T, first + per_thread);
+  const auto destinations = [&](int64_t t) {
+    uint32_t mask = 0;
+    for (int j = 0; j < k; ++j) {
+      if (slot_row[t * k + j] < 0) continue;
+      const int64_t owner = static_cast<int64_t>(topk_ids[t * k + j]) / experts_per_rank;
+      if (owner >= 0 && owner < world) mask |= 1u << owner;
+    }
+    return mask;
+  };
+  // Fixed trip counts over kMaxRanks keep `mine` in registers (ranks >= world stay 0).
+  int32_t mine[comm::kMaxRanks] = {};
+  for (int64_t t = first; t < last; ++t) {
+    const uint32_t mask = destinations(t);
+#pragma unroll
+    for (int d = 0; d < comm::kMaxRanks; ++d) mine[d] += (mask >> d) & 1;
+  }
+#pragma unroll
+  for (int d = 0; d < comm::kMaxRanks; ++d) chunk_start[d][threadIdx.x] = mine[d];
+  __syncthreads();
+  if (threadIdx.x < world) {  // exclusive scan of rank d's chunk counts, serially
+    int32_t sum = 0;
+    for (int i = 0; i < blockDim.x; ++i) {
+      const int32_t n = chunk_start[threadIdx.x][i];
+      chunk_start[threadIdx.x][i] = sum;
+      sum += n;
+    }
+    token_count[threadIdx.x] = sum;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < comm::kMaxRanks; ++d) mine[d] = chunk_start[d][threadIdx.x];
+  for (int64_t t = first; t < last; ++t) {
+    const uint32_t mask = destinations(t);
+#pragma unroll
+    for (int d = 0; d < comm::kMaxRanks; ++d) {
+      if (d < world) token_pos[t * world + d] = (mask >> d) & 1 ? mine[d]++ : -1;
+    }
+  }
+}
+
+// 4. Each token once to each rank that owns one of its experts: the x row (backward: and
+// the dy row) into this rank's section of the owner's received tokens, and for each of
+// its slots there the owner row (send_base: the expert-sorted layout), the router weight
+// and the token's index on the owner. One warp per token.
+template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
                     const __grid_constant__ DeviceLayout layout,
                     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
-                    const float* __restrict__ topk_weights,
+                    const Id* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+                    const int32_t* __restrict__ slot_row,
                     const int32_t* __restrict__ expert_offsets,
-                    const int32_t* __restrict__ row_token, const int32_t* __restrict__ row_slot,
-                    const int32_t* __restrict__ send_base, const int32_t* __restrict__ skip,
-                    int32_t num_experts, int32_t experts_per_rank) {
+                    const int32_t* __restrict__ send_base, const int32_t* __restrict__ token_pos,
+                    const int32_t* __restrict__ token_count, const int32_t* __restrict__ skip,
+                    int64_t T, int32_t experts_per_rank) {
+  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
   if (*skip == 0) {
+    if (blockIdx.x == 0 && threadIdx.x < world) {
+      in<int32_t>(peers.buffers[threadIdx.x], layout.recv_token_count)[peers.rank] =
+          token_count[threadIdx.x];
+    }
     const int lane = threadIdx.x % 32;
-    const int warps = gridDim.x * (kCopyThreads / 32);
-    const int rows = expert_offsets[num_experts];
-    for (int r = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; r < rows; r += warps) {
-      int lo = 0, hi = num_experts - 1;  // last expert whose first row is <= r
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (expert_offsets[mid] <= r) lo = mid; else hi = mid - 1;
-      }
-      const int owner = lo / experts_per_rank;
-      const int64_t pos = send_base[lo] + (r - expert_offsets[lo]);
-      char* dst = peers.buffers[owner];
-      const int64_t token = row_token[r];
-      copy_row(x + token * layout.hidden,
-               reinterpret_cast<__nv_bfloat16*>(dst + layout.recv_rows) + pos * layout.hidden,
-               layout.hidden, lane);
-      if (dy != nullptr) {
-        copy_row(dy + token * layout.hidden,
-                 reinterpret_cast<__nv_bfloat16*>(dst + layout.recv_dy) + pos * layout.hidden,
-                 layout.hidden, lane);
-      }
-      if (lane == 0) {
-        reinterpret_cast<int32_t*>(dst + layout.recv_src)[pos] = peers.rank;
-        reinterpret_cast<int32_t*>(dst + layout.recv_row)[pos] = r;
-        if (dy != nullptr) {
-          reinterpret_cast<float*>(dst + layout.recv_weight)[pos] = topk_weights[row_slot[r]];
+    const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+    for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+      int64_t id = -1, slot_owner = -1;
+      int32_t r = -1;
+      if (lane < k) {
+        r = slot_row[t * k + lane];
+        if (r >= 0) {
+          id = static_cast<int64_t>(topk_ids[t * k + lane]);
+          slot_owner = id / experts_per_rank;
         }
+      }
+      for (int d = 0; d < world; ++d) {
+        const int32_t pos = token_pos[t * world + d];
+        if (pos < 0) continue;
+        char* dst = peers.buffers[d];
+        const int64_t i = int64_t(peers.rank) * layout.max_tokens + pos;  // token index there
+        copy_row(x + t * H, in<__nv_bfloat16>(dst, layout.recv_x) + i * H, H, lane);
+        if (dy != nullptr) copy_row(dy + t * H, in<__nv_bfloat16>(dst, layout.recv_dy) + i * H, H, lane);
+        if (lane < k) {
+          int32_t row = -1;
+          if (slot_owner == d) {
+            row = send_base[id] + (r - expert_offsets[id]);
+            in<int32_t>(dst, layout.recv_row_token)[row] = static_cast<int32_t>(i);
+            in<float>(dst, layout.recv_weight)[row] = topk_weights[t * k + lane];
+          }
+          in<int32_t>(dst, layout.recv_slot_row)[i * k + lane] = row;
+        }
+        if (lane == 0) in<int32_t>(dst, layout.recv_token_source)[i] = static_cast<int32_t>(t);
       }
     }
   }
   __threadfence_system();  // before the phase kernel's release signal
 }
 
-// 6. Each received row's result back to its source rank, at the source's sorted row; with
-// dp_rows, also its d topk_weights (the backward).
+// 6. For each received token, the sum of its rows' results here (rows = this rank's
+// expert-sorted outputs; forward: weighted by the router weight, backward: the dx rows,
+// unweighted), over its slots in slot order in fp32, rounded once to bf16 and stored in its
+// source's combine area at [this rank, token]; the backward also sends each slot's d
+// topk_weights. One warp per received token; nothing when the call is skipped.
 __global__ void __launch_bounds__(kCopyThreads)
     combine_send_kernel(const __grid_constant__ comm::PeerTable peers,
-                    const __grid_constant__ DeviceLayout layout,
-                        const __nv_bfloat16* __restrict__ out_rows,
-                        const float* __restrict__ dp_rows,
-                        const int32_t* __restrict__ recv_expert_offsets,
-                        int32_t experts_per_rank) {
+                        const __grid_constant__ DeviceLayout layout,
+                        const __nv_bfloat16* __restrict__ rows,
+                        const float* __restrict__ row_weights,  // null: 1
+                        const float* __restrict__ dp_rows,      // null: forward
+                        const int32_t* __restrict__ skip) {
+  if (*skip) return;
+  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
   const int lane = threadIdx.x % 32;
-  const int warps = gridDim.x * (kCopyThreads / 32);
-  const char* own = peers.buffers[peers.rank];
-  const auto* recv_src = reinterpret_cast<const int32_t*>(own + layout.recv_src);
-  const auto* recv_row = reinterpret_cast<const int32_t*>(own + layout.recv_row);
-  const int rows = recv_expert_offsets[experts_per_rank];  // 0 when skipping
-  for (int pos = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; pos < rows; pos += warps) {
-    char* dst = peers.buffers[recv_src[pos]];
-    const int64_t r = recv_row[pos];
-    copy_row(out_rows + int64_t(pos) * layout.hidden,
-             reinterpret_cast<__nv_bfloat16*>(dst + layout.combine_rows) + r * layout.hidden,
-             layout.hidden, lane);
-    if (dp_rows != nullptr && lane == 0) {
-      reinterpret_cast<float*>(dst + layout.combine_dp)[r] = dp_rows[pos];
+  char* own = peers.buffers[peers.rank];
+  const int32_t* count = in<int32_t>(own, layout.recv_token_count);
+  const int64_t tokens = int64_t(world) * layout.max_tokens;
+  const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+  for (int64_t i = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; i < tokens; i += warps) {
+    const int source = static_cast<int>(i / layout.max_tokens);
+    if (i - int64_t(source) * layout.max_tokens >= count[source]) continue;
+    const int64_t t = in<int32_t>(own, layout.recv_token_source)[i];
+    const int32_t my_row = lane < k ? in<int32_t>(own, layout.recv_slot_row)[i * k + lane] : -1;
+    const float my_weight = my_row >= 0 && row_weights != nullptr ? row_weights[my_row] : 1.f;
+    char* dst = peers.buffers[source];
+    auto* out = in<__nv_bfloat16>(dst, layout.combine_rows) +
+                (int64_t(peers.rank) * layout.max_tokens + t) * H;
+    for (int c = lane * 8; c < H; c += 32 * 8) {
+      float acc[8] = {};
+      for (int j = 0; j < k; ++j) {
+        const int32_t row = __shfl_sync(0xffffffffu, my_row, j);
+        const float w = __shfl_sync(0xffffffffu, my_weight, j);
+        if (row < 0) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c);
+        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(b[e]);
+          acc[2 * e] += w * f.x;
+          acc[2 * e + 1] += w * f.y;
+        }
+      }
+      uint4 packed;
+      auto* o = reinterpret_cast<__nv_bfloat162*>(&packed);
+      for (int e = 0; e < 4; ++e) o[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+      *reinterpret_cast<uint4*>(out + c) = packed;
     }
+    if (dp_rows != nullptr && my_row >= 0) in<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[my_row];
   }
   __threadfence_system();
+}
+
+// 7. y (backward: dx) of each of this rank's tokens: the owners' partial rows in rank order,
+// summed in fp32; with d_topk_weights, also each valid slot's value from its owner (0 for
+// an id of -1). One warp per token.
+__global__ void __launch_bounds__(kCopyThreads)
+    final_combine_kernel(const __grid_constant__ comm::PeerTable peers,
+                         const __grid_constant__ DeviceLayout layout,
+                         const int32_t* __restrict__ token_pos,
+                         const int32_t* __restrict__ slot_row, int64_t T,
+                         __nv_bfloat16* __restrict__ out, float* __restrict__ d_topk_weights) {
+  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
+  const int lane = threadIdx.x % 32;
+  const char* own = peers.buffers[peers.rank];
+  const auto* partial = reinterpret_cast<const __nv_bfloat16*>(own + layout.combine_rows);
+  const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+  for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+    for (int c = lane * 8; c < H; c += 32 * 8) {
+      float acc[8] = {};
+      for (int d = 0; d < world; ++d) {
+        if (token_pos[t * world + d] < 0) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(
+            partial + (int64_t(d) * layout.max_tokens + t) * H + c);
+        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(b[e]);
+          acc[2 * e] += f.x;
+          acc[2 * e + 1] += f.y;
+        }
+      }
+      uint4 packed;
+      auto* o = reinterpret_cast<__nv_bfloat162*>(&packed);
+      for (int e = 0; e < 4; ++e) o[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+      *reinterpret_cast<uint4*>(out + t * H + c) = packed;
+    }
+    if (d_topk_weights != nullptr && lane < k) {
+      const int64_t s = t * k + lane;
+      d_topk_weights[s] =
+          slot_row[s] >= 0 ? reinterpret_cast<const float*>(own + layout.combine_dp)[s] : 0.f;
+    }
+  }
 }
 
 __global__ void phase_kernel(const __grid_constant__ comm::PeerTable peers, comm::Phase phase,
@@ -314,16 +452,19 @@ BufferLayout buffer_layout(const Group& g) {
   check_group(g);
   Carver c;
   BufferLayout b{};
-  const int64_t R = g.max_recv_rows, slots = g.max_tokens * g.topk;
+  const int64_t R = g.max_recv_rows, W = g.peers.world_size, k = g.topk;
+  const int64_t tokens = W * g.max_tokens;  // received tokens: one section per source
   b.control = c.take(comm::ControlLayout::bytes(g.num_experts));
   b.error = c.take(sizeof(int32_t));
-  b.recv_rows = c.take(R * g.hidden * 2);
-  b.recv_dy = c.take(R * g.hidden * 2);
+  b.recv_x = c.take(tokens * g.hidden * 2);
+  b.recv_dy = c.take(tokens * g.hidden * 2);
+  b.recv_token_count = c.take(comm::kMaxRanks * 4);
+  b.recv_token_source = c.take(tokens * 4);
+  b.recv_slot_row = c.take(tokens * k * 4);
+  b.recv_row_token = c.take(R * 4);
   b.recv_weight = c.take(R * 4);
-  b.recv_src = c.take(R * 4);
-  b.recv_row = c.take(R * 4);
-  b.combine_rows = c.take(slots * g.hidden * 2);
-  b.combine_dp = c.take(slots * 4);
+  b.combine_rows = c.take(tokens * g.hidden * 2);
+  b.combine_dp = c.take(g.max_tokens * k * 4);
   b.total = c.at;
   return b;
 }
@@ -343,13 +484,15 @@ namespace {
 // What steps 1-4 leave for the rest of a call.
 struct Routed {
   RoutingPlan plan;           // local, over all E experts
-  RoutingPlan recv;           // the received rows' (owner side; row_token/row_slot: identity)
+  RoutingPlan recv;           // the received rows' (owner side; row_token: received token)
+  int32_t* token_pos;         // [T, W] (token_plan_kernel)
   int32_t* skip;
   int32_t* error;
   BufferLayout buffer;
   DeviceLayout layout;
   int64_t e_local;
   int sms;
+  int copy_blocks;            // of the kernels that move rows between ranks
 };
 
 void check_call(const Group& g, int64_t T, int64_t I) {
@@ -375,7 +518,7 @@ Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspa
   Routed r{};
   r.e_local = E / peers.world_size;
   r.buffer = buffer_layout(g);
-  r.layout = device_layout(r.buffer, g.hidden);
+  r.layout = device_layout(r.buffer, g);
   char* own = peers.buffers[peers.rank];
   r.error = reinterpret_cast<int32_t*>(own + r.buffer.error);
   r.plan = {at<int32_t>(workspace, w.expert_counts), at<int32_t>(workspace, w.expert_offsets),
@@ -384,10 +527,24 @@ Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspa
             at<int32_t>(workspace, w.invalid_count)};
   build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGroupedGemmBlockM, r.plan,
                      at<void>(workspace, w.plan_scratch), stream);
+  r.token_pos = at<int32_t>(workspace, w.token_pos);
+  auto* token_count = at<int32_t>(workspace, w.token_count);
+  const auto token_plan = [&](auto* ids) {
+    token_plan_kernel<<<1, 1024, 0, stream>>>(ids, r.plan.slot_row, T, static_cast<int32_t>(k),
+                                              static_cast<int32_t>(r.e_local), peers.world_size,
+                                              r.token_pos, token_count);
+  };
+  if (ids_are_int64) {
+    token_plan(static_cast<const int64_t*>(topk_ids));
+  } else {
+    token_plan(static_cast<const int32_t*>(topk_ids));
+  }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
   comm::exchange_counts(peers, r.plan.expert_counts, E, g.timeout_ns, r.error, stream);
 
   r.recv.expert_offsets = at<int32_t>(workspace, w.recv_expert_offsets);
   r.recv.tile_offsets = at<int32_t>(workspace, w.recv_tile_offsets);
+  r.recv.row_token = reinterpret_cast<int32_t*>(own + r.buffer.recv_row_token);
   auto* send_base = at<int32_t>(workspace, w.send_base);
   r.skip = at<int32_t>(workspace, w.skip);
   layout_kernel<<<1, 1024, E * sizeof(int32_t), stream>>>(
@@ -398,20 +555,37 @@ Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspa
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, device));
-  dispatch_kernel<<<r.sms * 2, kCopyThreads, 0, stream>>>(
-      peers, r.layout, x, dy, topk_weights, r.plan.expert_offsets, r.plan.row_token,
-      r.plan.row_slot, send_base, r.skip, static_cast<int32_t>(E), static_cast<int32_t>(r.e_local));
+  r.copy_blocks = 2 * (g.comm_sms > 0 && g.comm_sms < r.sms ? g.comm_sms : r.sms);
+  const auto dispatch = [&](auto* ids) {
+    dispatch_kernel<<<r.copy_blocks, kCopyThreads, 0, stream>>>(
+        peers, r.layout, x, dy, ids, topk_weights, r.plan.slot_row, r.plan.expert_offsets,
+        send_base, r.token_pos, token_count, r.skip, T, static_cast<int32_t>(r.e_local));
+  };
+  if (ids_are_int64) {
+    dispatch(static_cast<const int64_t*>(topk_ids));
+  } else {
+    dispatch(static_cast<const int32_t*>(topk_ids));
+  }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
   phase_kernel<<<1, 32, 0, stream>>>(peers, comm::Phase::kDispatch, g.timeout_ns, r.error);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
   return r;
 }
 
-// Steps 6's send and signal.
-void send_back(const Group& g, const Routed& r, const __nv_bfloat16* rows, const float* dp_rows,
-               cudaStream_t stream) {
-  combine_send_kernel<<<r.sms * 2, kCopyThreads, 0, stream>>>(
-      g.peers, r.layout, rows, dp_rows, r.recv.expert_offsets, static_cast<int32_t>(r.e_local));
+// Step 6's sends (rows: this rank's expert-sorted results).
+void send_back(const Group& g, const Routed& r, const __nv_bfloat16* rows,
+               const float* row_weights, const float* dp_rows, cudaStream_t stream) {
+  combine_send_kernel<<<r.copy_blocks, kCopyThreads, 0, stream>>>(g.peers, r.layout, rows,
+                                                                  row_weights, dp_rows, r.skip);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// Step 7 on this rank's tokens.
+void final_combine(const Group& g, const Routed& r, int64_t T, __nv_bfloat16* out,
+                   float* d_topk_weights, cudaStream_t stream) {
+  if (T == 0) return;
+  final_combine_kernel<<<r.copy_blocks, kCopyThreads, 0, stream>>>(
+      g.peers, r.layout, r.token_pos, r.plan.slot_row, T, out, d_topk_weights);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -420,13 +594,20 @@ void combine_phase(const Group& g, const Routed& r, cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-// The received rows as one-GPU GEMM arguments (materialised A, expert-sorted).
-sm90::GroupedGemmArgs received_rows(const Group& g, const Routed& r) {
+// The received rows as one-GPU GEMM arguments (expert-sorted; A gathered from the received
+// tokens when `a` is set).
+sm90::GroupedGemmArgs received_rows(const Group& g, const Routed& r,
+                                    const __nv_bfloat16* tokens = nullptr) {
   sm90::GroupedGemmArgs a{};
   a.a_rows = g.max_recv_rows;
   a.num_experts = r.e_local;
   a.expert_offsets = r.recv.expert_offsets;
   a.tile_offsets = r.recv.tile_offsets;
+  if (tokens != nullptr) {
+    a.a = tokens;
+    a.a_row_index = r.recv.row_token;
+    a.a_source_rows = g.peers.world_size * g.max_tokens;
+  }
   return a;
 }
 
@@ -442,15 +623,15 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
     throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
   }
   const Routed r = route_and_dispatch(g, w.route, workspace, x, nullptr, topk_ids, ids_are_int64,
-                                      nullptr, T, stream);
+                                      topk_weights, T, stream);
   char* own = g.peers.buffers[g.peers.rank];
   const int64_t H = g.hidden;
 
-  // The received rows are expert-sorted already: the one-GPU GEMMs run on them as they are.
+  // The one-GPU GEMMs on the received rows, A gathered from the received tokens.
   auto* activation = at<__nv_bfloat16>(workspace, w.activation);
   auto* out_rows = at<__nv_bfloat16>(workspace, w.out_rows);
-  sm90::GroupedGemmArgs l1 = received_rows(g, r);
-  l1.a = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_rows);
+  sm90::GroupedGemmArgs l1 =
+      received_rows(g, r, reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_x));
   l1.b = w_gate_up;
   l1.b_rows_per_expert = 2 * I;
   l1.k = H;
@@ -466,11 +647,10 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   l2.ldc = H;
   sm90::grouped_gemm(l2, stream);
 
-  send_back(g, r, out_rows, nullptr, stream);
+  send_back(g, r, out_rows, reinterpret_cast<const float*>(own + r.buffer.recv_weight), nullptr,
+            stream);
   combine_phase(g, r, stream);
-  if (T == 0) return;
-  combine_rows(reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.combine_rows), H,
-               r.plan.slot_row, topk_weights, false, T, g.topk, y, stream);
+  final_combine(g, r, T, y, nullptr, stream);
   poison_if_skipped(y, T * H, r.skip, r.sms, stream);
 }
 
@@ -496,9 +676,8 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   auto* identity = at<int32_t>(workspace, w.identity);
   iota_kernel<<<r.sms, 256, 0, stream>>>(identity, R);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  r.recv.row_token = identity;  // received row i is "token" i of the receive area
-  r.recv.row_slot = identity;   // and "slot" i of recv_weight
-  const auto* recv_x = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_rows);
+  r.recv.row_slot = identity;  // row i's router weight is recv_weight[i]
+  const auto* recv_x = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_x);
   const auto* recv_dy = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_dy);
   const auto* recv_weight = reinterpret_cast<const float*>(own + r.buffer.recv_weight);
   auto* h = at<__nv_bfloat16>(workspace, w.h);
@@ -509,8 +688,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   auto* token_rows = at<__nv_bfloat16>(workspace, w.token_rows);
 
   // L1 recomputed on the received x rows.
-  sm90::GroupedGemmArgs l1 = received_rows(g, r);
-  l1.a = recv_x;
+  sm90::GroupedGemmArgs l1 = received_rows(g, r, recv_x);
   l1.b = w_gate_up;
   l1.b_rows_per_expert = 2 * I;
   l1.k = H;
@@ -518,8 +696,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   l1.ldc = 2 * I;
   sm90::grouped_gemm(l1, stream);
   // dgrad of L2 with the SwiGLU backward: dh and a padded, dp partials per received row.
-  sm90::GroupedGemmArgs l2 = received_rows(g, r);
-  l2.a = recv_dy;
+  sm90::GroupedGemmArgs l2 = received_rows(g, r, recv_dy);
   l2.b = w_down;
   l2.k = H;
   l2.n = I;
@@ -539,7 +716,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   l1_dgrad.c_rows = R;
   sm90::grouped_gemm_b_n_major(l1_dgrad, stream);
   reduce_slot_partials(dp_partial, sm90::swiglu_backward_n_tiles(I), identity, R, dp_rows, stream);
-  send_back(g, r, token_rows, dp_rows, stream);
+  send_back(g, r, token_rows, nullptr, dp_rows, stream);
 
   // Weight gradients (local) while the peers finish: token_rows is free again.
   gather_rows_padded(recv_dy, H, r.recv, E_local, recv_weight, P, token_rows, stream);
@@ -550,12 +727,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
                             d_w_gate_up}, stream);
   combine_phase(g, r, stream);
 
-  if (T > 0) {
-    combine_rows(reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.combine_rows), H,
-                 r.plan.slot_row, nullptr, false, T, g.topk, dx, stream);
-    reduce_slot_partials(reinterpret_cast<const float*>(own + r.buffer.combine_dp), 1,
-                         r.plan.slot_row, T * g.topk, d_topk_weights, stream);
-  }
+  final_combine(g, r, T, dx, d_topk_weights, stream);
   poison_if_skipped(dx, T * H, r.skip, r.sms, stream);
   poison_if_skipped(d_topk_weights, T * g.topk, r.skip, r.sms, stream);
   poison_if_skipped(d_w_gate_up, E_local * 2 * I * H, r.skip, r.sms, stream);

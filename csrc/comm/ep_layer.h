@@ -4,20 +4,26 @@
 // and every hand-off signalled on the device (no host sync).
 //
 // Rank r of W owns global experts [r * E_local, (r + 1) * E_local). A call:
-//   1. local routing plan over all E experts (rows sorted by global expert, stable);
+//   1. local routing plan over all E experts (rows sorted by global expert, stable), and
+//      the token plan: which ranks each token goes to, its place among the tokens sent there;
 //   2. counts exchanged (peer_exchange.h): every rank has the [W, E] matrix;
 //   3. layout (one block): this rank's receive offsets per local expert (rows from rank 0,
-//      then 1, ...: the global token order, so EP matches EP=1 bit for bit), where its
-//      rows go in every owner's receive area, and the capacity check;
-//   4. dispatch: x rows (backward: and dy rows and router weights), with their source rank
-//      and sorted row, into the owners' receive areas; signal;
-//   5. the one-GPU kernels on the received rows (expert-sorted, materialised);
-//   6. combine send: each result row (backward: dx row and d topk_weights) into its source
-//      rank's combine area at the source's sorted row; signal;
-//   7. the source's fixed-order combine -> y (backward: dx, d topk_weights).
-// Weight gradients stay on the owner. A rank that would receive more rows than
-// max_recv_rows makes every rank skip the sends (they all see the same counts) and write
-// NaN into every output, with a capacity error code.
+//      then 1, ...: the global token order, the one-GPU layer's row order), where its rows
+//      go in every owner's expert-sorted rows, and the capacity check;
+//   4. dispatch: each token once per owner rank (not once per slot: with k = 8 over 2
+//      ranks that moves 4x fewer bytes): the x row (backward: and the dy row) into the
+//      source's section of the owner's received tokens, with, per slot there, its owner
+//      row, router weight and token; signal;
+//   5. the one-GPU kernels on the received rows (A gathered from the received tokens);
+//   6. combine send: per received token, its rows' results summed in fp32 over its slots
+//      (forward: weighted), rounded to bf16 once, into the source's combine area at [this
+//      rank, token]; the backward also sends each slot's d topk_weights; signal;
+//   7. the source sums the owners' partial rows in rank order -> y (backward: dx).
+// Weight gradients stay on the owner and d topk_weights is per slot: both are bitwise
+// equal to the one-GPU layer's; y and dx add one bf16 rounding per owner (the partial sum).
+// A rank that would receive more rows than max_recv_rows makes every rank skip the sends
+// (they all see the same counts) and write NaN into every output, with a capacity error
+// code.
 //
 // Reuse without a reset: a rank cannot start a call's sends into a peer before that peer
 // has passed the previous call's combine phase, which it signals only after its kernels
@@ -40,21 +46,24 @@ struct Group {
   int64_t max_tokens;        // per rank and call
   int64_t topk;
   int64_t hidden;
-  int64_t max_recv_rows;     // rows a rank's receive area holds
+  int64_t max_recv_rows;     // (token, expert) rows a rank can receive per call
   int64_t timeout_ns;
+  int32_t comm_sms;          // SMs of the kernels that move rows between ranks; 0: all
 };
 
 // Layout of each rank's symmetric buffer (identical on every rank).
 struct BufferLayout {
   size_t control;       // comm::ControlLayout
   size_t error;         // int32: 0, or a comm::describe_error code of this rank's last call
-  size_t recv_rows;     // bf16 [max_recv_rows, H] x rows
-  size_t recv_dy;       // bf16 [max_recv_rows, H] dy rows (backward)
-  size_t recv_weight;   // fp32 [max_recv_rows] router weight of each row (backward)
-  size_t recv_src;      // int32 [max_recv_rows] source rank of each received row
-  size_t recv_row;      // int32 [max_recv_rows] its sorted row on the source
-  size_t combine_rows;  // bf16 [max_tokens * k, H] results, at this rank's sorted rows
-  size_t combine_dp;    // fp32 [max_tokens * k] d topk_weights, likewise (backward)
+  size_t recv_x;             // bf16 [W * max_tokens, H] received tokens, a section per source
+  size_t recv_dy;            // bf16 [W * max_tokens, H] their dy rows (backward)
+  size_t recv_token_count;   // int32 [8] tokens received from each source in this call
+  size_t recv_token_source;  // int32 [W * max_tokens] each received token's index on its source
+  size_t recv_slot_row;      // int32 [W * max_tokens, k] row here of each slot, -1 elsewhere
+  size_t recv_row_token;     // int32 [max_recv_rows] received token of each row here
+  size_t recv_weight;        // fp32 [max_recv_rows] router weight of each row here
+  size_t combine_rows;       // bf16 [W, max_tokens, H] each owner's partial sum per token
+  size_t combine_dp;         // fp32 [max_tokens * k] d topk_weights of each slot (backward)
   size_t total;
 };
 BufferLayout buffer_layout(const Group& g);

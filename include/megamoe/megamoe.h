@@ -199,6 +199,8 @@ typedef struct megamoe_ep_group {
   int64_t hidden;
   int64_t max_recv_rows;        /* (token, expert) rows one rank can receive per call */
   int64_t timeout_ns;           /* how long a rank waits for a peer before failing */
+  int32_t num_comm_sms;         /* SMs of the kernels that move rows between ranks; 0: all
+                                   (this version does not overlap them with the GEMMs) */
 } megamoe_ep_group;
 
 /* Bytes of each rank's buffer (the buffers may be NULL for this query). */
@@ -224,7 +226,9 @@ MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message
 /* y = the layer for this rank's tokens. x [T, H] BFLOAT16, topk_ids [T, k] INT32/INT64
  * global ids in [-1, E), topk_weights [T, k] FLOAT32, w_gate_up [E/W, 2I, H] and w_down
  * [E/W, H, I] BFLOAT16 (this rank's experts), y [T, H] BFLOAT16; T <= max_tokens_per_rank.
- * Bitwise equal to megamoe_fused_forward of the same global problem on one GPU. */
+ * Each owner rank sums a token's slots there in fp32 and sends one bf16 row, so y differs
+ * from megamoe_fused_forward of the same global problem on one GPU by that rounding; it is
+ * bitwise reproducible run to run. */
 MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
                                               const megamoe_tensor* x,
                                               const megamoe_tensor* topk_ids,
@@ -237,8 +241,9 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
 /* Gradients of <dy, y> (L1 recomputed on the experts' ranks): dx [T, H] BFLOAT16 and
  * d_topk_weights [T, k] FLOAT32 (0 for an id of -1) for this rank's tokens, d_w_gate_up
  * [E/W, 2I, H] and d_w_down [E/W, H, I] BFLOAT16 for this rank's experts (zeros for those
- * without rows); all four required. Bitwise equal to megamoe_fused_backward of the same
- * global problem on one GPU. */
+ * without rows); all four required. d_topk_weights and the weight gradients are bitwise
+ * equal to megamoe_fused_backward of the same global problem on one GPU; dx differs by the
+ * owners' bf16 partial sums, as y does. */
 MEGAMOE_API megamoe_status megamoe_ep_backward(
     const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
     const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,

@@ -4,7 +4,9 @@ EP group, created once and reused by every layer and call.
 It lives in torch symmetric memory (NVLink multicast off), so every rank's kernels can
 store into every other rank's buffer through a table of peer pointers. Sizes are fixed at
 creation: `max_tokens_per_rank` tokens per call, `max_recv_rows` (token, expert) rows a
-rank can receive per call (default: every token of every rank, k times).
+rank can receive per call (default: every token of every rank, k times). `num_comm_sms`
+sets how many SMs the kernels that move rows between ranks use (default: all of them, as
+this version runs those kernels between the GEMMs rather than beside them).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class EpGroupStruct(ctypes.Structure):
         ("hidden", ctypes.c_int64),
         ("max_recv_rows", ctypes.c_int64),
         ("timeout_ns", ctypes.c_int64),
+        ("num_comm_sms", ctypes.c_int32),
     ]
 
 
@@ -47,7 +50,7 @@ class Buffer:
 
     def __init__(self, group, max_tokens_per_rank: int, hidden: int, intermediate: int,
                  num_experts: int, topk: int, *, max_recv_rows: int | None = None,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, num_comm_sms: int | None = None):
         if group is None:
             raise MegaMoEError("Buffer: group is None; a buffer belongs to an expert-parallel "
                                "process group")
@@ -67,6 +70,9 @@ class Buffer:
             max_recv_rows = world * max_tokens_per_rank * topk
         if timeout_s <= 0:
             raise MegaMoEError(f"Buffer: timeout_s must be > 0, got {timeout_s}")
+        if num_comm_sms is not None and (not isinstance(num_comm_sms, int) or num_comm_sms < 1):
+            raise MegaMoEError(f"Buffer: num_comm_sms must be a positive int or None (every SM), "
+                               f"got {num_comm_sms!r}")
         settings = (max_tokens_per_rank, hidden, intermediate, num_experts, topk, max_recv_rows)
         gathered = [None] * world
         dist.all_gather_object(gathered, settings, group=group)
@@ -78,10 +84,12 @@ class Buffer:
         self.group, self.rank, self.world_size = group, rank, world
         self.max_tokens_per_rank, self.hidden, self.intermediate = settings[:3]
         self.num_experts, self.topk, self.max_recv_rows = settings[3:]
+        self.num_comm_sms = num_comm_sms
         self._struct = EpGroupStruct(rank=rank, world_size=world, num_experts=num_experts,
                                      max_tokens_per_rank=max_tokens_per_rank, topk=topk,
                                      hidden=hidden, max_recv_rows=max_recv_rows,
-                                     timeout_ns=int(timeout_s * 1e9))
+                                     timeout_ns=int(timeout_s * 1e9),
+                                     num_comm_sms=num_comm_sms or 0)
         size = ctypes.c_size_t()
         _lib.call("megamoe_ep_buffer_size", ctypes.byref(self._struct), ctypes.byref(size))
         offset = ctypes.c_size_t()

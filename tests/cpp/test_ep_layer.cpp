@@ -1,8 +1,9 @@
 // The expert-parallel layer (first version) on every local GPU of one process with peer
 // access: EP=W forward and backward against the one-GPU fused layer on the same global
-// problem (bitwise) and the forward against the float64 CPU reference; a rank that
-// receives nothing, every token on one rank, k = 1, -1 ids, repeated calls on the same
-// buffers, and the capacity error.
+// problem (d topk_weights and weight gradients bitwise; y and dx within 5e-3, as they add
+// one bf16 rounding per owner rank) and the forward against the float64 CPU reference; a
+// rank that receives nothing, every token on one rank, k = 1, -1 ids, repeated calls on
+// the same buffers (bitwise equal), a limited number of copy SMs, and the capacity error.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -32,6 +33,12 @@ double from_bf16_bits(uint16_t bits) {
   std::memcpy(&f, &w, 4);
   return f;
 }
+std::vector<double> decode(const std::vector<uint16_t>& bits) {
+  std::vector<double> v(bits.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = from_bf16_bits(bits[i]);
+  return v;
+}
+constexpr double kEpVsOneGpu = 5e-3;  // y and dx: one bf16 rounding per owner's partial sum
 std::vector<uint16_t> round_to_bf16(megamoe_test::Tensor& t) {
   std::vector<double> v = t.values();
   std::vector<uint16_t> bits(v.size());
@@ -55,7 +62,8 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
 
   // tokens: per rank. Returns nothing; checks inside.
   void check(int64_t tokens, int64_t H, int64_t I, int64_t E, int64_t k, Routing routing,
-             double p_none, int64_t max_recv_rows, uint64_t seed, bool expect_capacity = false) {
+             double p_none, int64_t max_recv_rows, uint64_t seed, bool expect_capacity = false,
+             int32_t comm_sms = 0) {
     SEEDED(seed);
     const int W = world_;
     ASSERT_EQ(E % W, 0);
@@ -86,6 +94,7 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
     group.hidden = H;
     group.max_recv_rows = max_recv_rows;
     group.timeout_ns = 10'000'000'000;
+    group.comm_sms = comm_sms;
     group.peers.world_size = W;
     const size_t buffer_bytes = [&] {
       megamoe::ep::Group g = group;
@@ -172,6 +181,7 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
       CUDA_OK(cudaMemcpy(expected_dw2.data(), gw2.data, E * H * I * 2, cudaMemcpyDeviceToHost));
     }
 
+    std::vector<uint16_t> first_y;
     for (int call = 0; call < 3; ++call) {  // the same buffers again: generations, no reset
       for (int r = 0; r < W; ++r) {  // every rank's launches first: they wait on each other
         CUDA_OK(cudaSetDevice(r));
@@ -200,21 +210,25 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
         for (uint16_t v : got) ASSERT_TRUE(std::isnan(from_bf16_bits(v)));
         continue;
       }
-      EXPECT_EQ(got, expected) << "EP=" << W << " differs from the one-GPU forward, call " << call;
-      if (call == 0) {
-        megamoe_test::Tensor y_ref(MEGAMOE_DTYPE_FLOAT64, {T_all, H});
-        ASSERT_EQ(megamoe_test::forward(p, y_ref), MEGAMOE_SUCCESS) << megamoe_last_error();
-        std::vector<double> y(got.size());
-        for (size_t i = 0; i < y.size(); ++i) y[i] = from_bf16_bits(got[i]);
-        const double err = megamoe_test::rel_error(y, y_ref.values());
-        std::printf("EP=%d T/rank=%ld H=%ld I=%ld E=%ld k=%ld: rel err %.3e\n", W, long(tokens),
-                    long(H), long(I), long(E), long(k), err);
-        EXPECT_LT(err, 1e-2);
+      if (call > 0) {
+        EXPECT_EQ(got, first_y) << "EP=" << W << " forward differs from its first call, call " << call;
+        continue;
       }
+      first_y = got;
+      const std::vector<double> y = decode(got);
+      const double vs_one_gpu = megamoe_test::rel_error(y, decode(expected));
+      megamoe_test::Tensor y_ref(MEGAMOE_DTYPE_FLOAT64, {T_all, H});
+      ASSERT_EQ(megamoe_test::forward(p, y_ref), MEGAMOE_SUCCESS) << megamoe_last_error();
+      const double err = megamoe_test::rel_error(y, y_ref.values());
+      std::printf("EP=%d T/rank=%ld H=%ld I=%ld E=%ld k=%ld: rel err %.3e (vs one GPU %.3e)\n", W,
+                  long(tokens), long(H), long(I), long(E), long(k), err, vs_one_gpu);
+      EXPECT_LT(err, 1e-2);
+      EXPECT_LT(vs_one_gpu, kEpVsOneGpu);
     }
     if (expect_capacity) return;
 
     // The backward, twice on the same buffers (after the forwards above).
+    std::vector<uint16_t> first_dx;
     for (int call = 0; call < 2; ++call) {
       for (int r = 0; r < W; ++r) {
         CUDA_OK(cudaSetDevice(r));
@@ -242,7 +256,14 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
                            cudaMemcpyDeviceToHost));
         EXPECT_EQ(code, 0) << "rank " << r << ": " << megamoe::comm::describe_error(code);
       }
-      EXPECT_EQ(dx_all, expected_dx) << "EP backward dx differs from one GPU, call " << call;
+      if (call == 0) {
+        first_dx = dx_all;
+        const double vs_one_gpu = megamoe_test::rel_error(decode(dx_all), decode(expected_dx));
+        std::printf("  backward dx vs one GPU: %.3e\n", vs_one_gpu);
+        EXPECT_LT(vs_one_gpu, kEpVsOneGpu);
+      } else {
+        EXPECT_EQ(dx_all, first_dx) << "EP backward dx differs from its first call, call " << call;
+      }
       EXPECT_EQ(std::memcmp(dp_all.data(), expected_dp.data(), dp_all.size() * 4), 0)
           << "EP backward d topk_weights differs from one GPU, call " << call;
       EXPECT_EQ(dw1_all, expected_dw1) << "EP backward d w_gate_up differs, call " << call;
@@ -261,6 +282,11 @@ TEST_F(EpLayerGpu, MatchesOneGpuLayer) {
 TEST_F(EpLayerGpu, EveryTokenOnOneRank) {
   // Ranks other than the last receive nothing; the last receives every row.
   check(200, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, 200 * 2 * 8, megamoe_test::fresh_seed());
+}
+
+TEST_F(EpLayerGpu, FewCopySms) {  // num_comm_sms: 3 SMs move every row
+  check(700, 256, 128, 16, 4, Routing::kRandom, 0.05, 700 * 4 * 8, megamoe_test::fresh_seed(),
+        false, 3);
 }
 
 TEST_F(EpLayerGpu, OverCapacityIsAnErrorAndNaNs) {

@@ -125,8 +125,9 @@ def _graph_replay_matches_eager(mine, group, buf, eager):
 
 
 def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
-    """backend="fused" over a megamoe.Buffer, forward and backward: EP=W gathered must equal
-    the one-GPU fused layer bit for bit (y and every gradient); each rank's outputs must be
+    """backend="fused" over a megamoe.Buffer, forward and backward: EP=W gathered must match
+    the one-GPU fused layer (d topk_weights and the weight gradients bit for bit, y and dx
+    within EP_VS_EP1_TOLERANCE) and the float64 reference; each rank's outputs must be
     the same on every one of `repeats` back-to-back calls on the same buffer, and, with
     `graph`, from a CUDA-graph replay of forward + backward."""
     name, T, H, I, E, k, extra = case
@@ -162,9 +163,14 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
         ref.update(zip(NAMES, reference.backward(p["dy"], *args)))
         for n in ref:
             result[f"{n}_ep_vs_ref"] = rel_err(out[n], ref[n])
+            result[f"{n}_ep_vs_ep1"] = rel_err(out[n], ep1[n])
             result[f"{n}_ep_bitwise_ep1"] = bool(torch.equal(out[n], ep1[n]))
-        result["ok"] = bool(flags.all()) and all(result[f"{n}_ep_vs_ref"] < TOLERANCE and
-                                                 result[f"{n}_ep_bitwise_ep1"] for n in ref)
+        # y and dx add one bf16 rounding per owner rank (its partial sum); the per-slot and
+        # per-expert gradients take the one-GPU path exactly.
+        result["ok"] = bool(flags.all()) and all(
+            result[f"{n}_ep_vs_ref"] < TOLERANCE and
+            (result[f"{n}_ep_vs_ep1"] < EP_VS_EP1_TOLERANCE if n in ("y", "x")
+             else result[f"{n}_ep_bitwise_ep1"]) for n in ref)
     return result
 
 
