@@ -3,9 +3,11 @@ or with --backward the forward and backward of a training step.
 
     python tools/profile_layer.py --backend fused --model qwen3-30b-a3b --tokens 16384
     python tools/profile_layer.py --backward --backward-mode saved
+    torchrun --nproc-per-node 2 tools/profile_layer.py --ep 2 --backward   # rank 0's kernels
 """
 
 import argparse
+import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,17 +25,31 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--backward", action="store_true", help="profile forward + backward")
     parser.add_argument("--backward-mode", default="recompute", help="the fused backend's")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks (run under torchrun --nproc-per-node EP)")
     args = parser.parse_args()
     shape = get_preset(args.model)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    extra = {"backward_mode": args.backward_mode} if args.backend == "fused" else {}
+    rank, experts = 0, shape.E
+    if args.ep > 1:
+        import torch.distributed as dist
+
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        rank, experts = dist.get_rank(), shape.E // args.ep
+        extra = {"group": dist.group.WORLD}
+        if args.backend == "fused":
+            extra["buffer"] = megamoe.Buffer(dist.group.WORLD, args.tokens, shape.H, shape.I,
+                                             shape.E, shape.k)
+    g = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(args.tokens, shape.H, device="cuda", dtype=torch.bfloat16, generator=g)
-    w_gate_up = torch.randn(shape.E, 2 * shape.I, shape.H, device="cuda", dtype=torch.bfloat16,
+    w_gate_up = torch.randn(experts, 2 * shape.I, shape.H, device="cuda", dtype=torch.bfloat16,
                             generator=g) * shape.H ** -0.5
-    w_down = torch.randn(shape.E, shape.H, shape.I, device="cuda", dtype=torch.bfloat16,
+    w_down = torch.randn(experts, shape.H, shape.I, device="cuda", dtype=torch.bfloat16,
                          generator=g) * shape.I ** -0.5
     ids, weights = make_routing(args.tokens, shape.E, shape.k, "random", device="cuda", generator=g)
 
-    extra = {"backward_mode": args.backward_mode} if args.backend == "fused" else {}
     dy = torch.randn_like(x)
     if args.backward:
         for t in (x, weights, w_gate_up, w_down):
@@ -55,8 +71,11 @@ def main():
         for _ in range(args.iters):
             forward()
         torch.cuda.synchronize()
+    if rank != 0:
+        return
     what = f"forward + backward ({args.backward_mode})" if args.backward else "forward"
-    print(f"{args.backend} {args.model} T={args.tokens}: per-kernel time per {what} (us)")
+    print(f"{args.backend} {args.model} T={args.tokens} ep={args.ep} (rank 0): per-kernel time "
+          f"per {what} (us)")
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     total = 0.0
     for e in rows:

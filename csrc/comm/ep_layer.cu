@@ -16,6 +16,8 @@ namespace {
 
 constexpr size_t kAlign = 256;
 constexpr int kCopyThreads = 256;
+constexpr int kPlanThreads = 256;  // tokens per block of the token plan
+constexpr int kBatch = 4;           // 16-byte loads a lane has in flight before it stores
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -38,6 +40,7 @@ struct RouteWorkspace {
   size_t skip;                                    // int32 [1]
   size_t token_pos;                               // int32 [T, W]
   size_t token_count;                             // int32 [W]
+  size_t block_counts;                            // int32 [token-plan blocks, W]
 };
 
 RouteWorkspace carve_route(Carver& c, const Group& g, int64_t T) {
@@ -58,6 +61,7 @@ RouteWorkspace carve_route(Carver& c, const Group& g, int64_t T) {
   w.skip = c.take(4);
   w.token_pos = c.take(T * g.peers.world_size * 4);
   w.token_count = c.take(comm::kMaxRanks * 4);
+  w.block_counts = c.take(((T + kPlanThreads - 1) / kPlanThreads) * g.peers.world_size * 4);
   return w;
 }
 
@@ -134,12 +138,28 @@ __device__ __forceinline__ T* in(char* buffer, size_t offset) {
   return reinterpret_cast<T*>(buffer + offset);
 }
 
-// Rows are copied 16 bytes per lane, one warp per row.
-__device__ __forceinline__ void copy_row(const __nv_bfloat16* src, __nv_bfloat16* dst,
-                                         int hidden, int lane) {
+// One warp copies a row of `hidden` bf16 to several places (16 bytes per lane, kBatch
+// loads in flight before the stores); dst(i) gives the i-th destination row or null.
+template <class Destination>
+__device__ __forceinline__ void copy_row_to(const __nv_bfloat16* src, int hidden, int lane,
+                                            int count, Destination dst) {
   const auto* s = reinterpret_cast<const uint4*>(src);
-  auto* d = reinterpret_cast<uint4*>(dst);
-  for (int i = lane; i < hidden / 8; i += 32) d[i] = s[i];
+  const int n = hidden / 8;
+  for (int base = lane; base < n; base += 32 * kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (base + 32 * b < n) v[b] = s[base + 32 * b];
+    }
+    for (int i = 0; i < count; ++i) {
+      auto* d = reinterpret_cast<uint4*>(dst(i));
+      if (d == nullptr) continue;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (base + 32 * b < n) d[base + 32 * b] = v[b];
+      }
+    }
+  }
 }
 
 // 3. From the [W, E] counts of this exchange: this rank's receive offsets per local
@@ -196,52 +216,90 @@ __global__ void __launch_bounds__(1024)
 
 // 1b. Which ranks each token goes to (the owners of its valid slots) and its place among
 // this rank's tokens sent to each of them, tokens in order: token_pos [T, W] (-1: not
-// sent), token_count [W]. One block; the scan is over per-thread chunks of tokens.
+// sent), token_count [W]. Two passes over blocks of kPlanThreads tokens, one token a
+// thread: the destination masks and each block's count per rank, then each token's place
+// (earlier blocks' counts + a ballot prefix within the block).
+
 template <class Id>
-__global__ void __launch_bounds__(1024)
-    token_plan_kernel(const Id* __restrict__ topk_ids, const int32_t* __restrict__ slot_row,
-                      int64_t T, int32_t k, int32_t experts_per_rank, int32_t world,
-                      int32_t* __restrict__ token_pos, int32_t* __restrict__ token_count) {
-  __shared__ int32_t chunk_start[comm::kMaxRanks][1024];
-  const int64_t per_thread = (T + blockDim.x - 1) / blockDim.x;
-  const int64_t first = threadIdx.x * per_thread, last = min(T, first + per_thread);
-  const auto destinations = [&](int64_t t) {
-    uint32_t mask = 0;
-    for (int j = 0; j < k; ++j) {
-      if (slot_row[t * k + j] < 0) continue;
-      const int64_t owner = static_cast<int64_t>(topk_ids[t * k + j]) / experts_per_rank;
-      if (owner >= 0 && owner < world) mask |= 1u << owner;
-    }
-    return mask;
-  };
-  // Fixed trip counts over kMaxRanks keep `mine` in registers (ranks >= world stay 0).
-  int32_t mine[comm::kMaxRanks] = {};
-  for (int64_t t = first; t < last; ++t) {
-    const uint32_t mask = destinations(t);
-#pragma unroll
-    for (int d = 0; d < comm::kMaxRanks; ++d) mine[d] += (mask >> d) & 1;
+__device__ __forceinline__ uint32_t destinations(const Id* topk_ids, const int32_t* slot_row,
+                                                 int64_t t, int32_t k, int32_t experts_per_rank,
+                                                 int32_t world) {
+  uint32_t mask = 0;
+  for (int j = 0; j < k; ++j) {
+    const int64_t id = static_cast<int64_t>(topk_ids[t * k + j]);
+    const int64_t owner = id / experts_per_rank;
+    if (slot_row[t * k + j] >= 0 && owner >= 0 && owner < world) mask |= 1u << owner;
   }
+  return mask;
+}
+
+// For rank d of the mask bits of this block's tokens: each token's place within the block
+// (ballot prefix per warp plus earlier warps' totals) and the block's total.
+__device__ __forceinline__ void block_places(uint32_t mask, int world, int32_t* place,
+                                             int32_t* block_total) {
+  __shared__ int32_t warp_totals[comm::kMaxRanks][kPlanThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-  for (int d = 0; d < comm::kMaxRanks; ++d) chunk_start[d][threadIdx.x] = mine[d];
-  __syncthreads();
-  if (threadIdx.x < world) {  // exclusive scan of rank d's chunk counts, serially
-    int32_t sum = 0;
-    for (int i = 0; i < blockDim.x; ++i) {
-      const int32_t n = chunk_start[threadIdx.x][i];
-      chunk_start[threadIdx.x][i] = sum;
-      sum += n;
-    }
-    token_count[threadIdx.x] = sum;
+  for (int d = 0; d < comm::kMaxRanks; ++d) {
+    if (d >= world) break;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, (mask >> d) & 1);
+    place[d] = __popc(ballot & ((1u << lane) - 1));
+    if (lane == 0) warp_totals[d][warp] = __popc(ballot);
   }
   __syncthreads();
 #pragma unroll
-  for (int d = 0; d < comm::kMaxRanks; ++d) mine[d] = chunk_start[d][threadIdx.x];
-  for (int64_t t = first; t < last; ++t) {
-    const uint32_t mask = destinations(t);
+  for (int d = 0; d < comm::kMaxRanks; ++d) {
+    if (d >= world) break;
+    int32_t before = 0, total = 0;
+    for (int w = 0; w < kPlanThreads / 32; ++w) {
+      before += w < warp ? warp_totals[d][w] : 0;
+      total += warp_totals[d][w];
+    }
+    place[d] += before;
+    block_total[d] = total;
+  }
+}
+
+template <class Id>
+__global__ void __launch_bounds__(kPlanThreads)
+    token_count_kernel(const Id* __restrict__ topk_ids, const int32_t* __restrict__ slot_row,
+                       int64_t T, int32_t k, int32_t experts_per_rank, int32_t world,
+                       int32_t* __restrict__ block_counts) {  // [blocks, W]
+  const int64_t t = blockIdx.x * int64_t(kPlanThreads) + threadIdx.x;
+  const uint32_t mask = t < T ? destinations(topk_ids, slot_row, t, k, experts_per_rank, world) : 0;
+  int32_t place[comm::kMaxRanks], total[comm::kMaxRanks];
+  block_places(mask, world, place, total);
+  if (threadIdx.x == 0) {
 #pragma unroll
     for (int d = 0; d < comm::kMaxRanks; ++d) {
-      if (d < world) token_pos[t * world + d] = (mask >> d) & 1 ? mine[d]++ : -1;
+      if (d < world) block_counts[blockIdx.x * world + d] = total[d];
     }
+  }
+}
+
+template <class Id>
+__global__ void __launch_bounds__(kPlanThreads)
+    token_pos_kernel(const Id* __restrict__ topk_ids, const int32_t* __restrict__ slot_row,
+                     int64_t T, int32_t k, int32_t experts_per_rank, int32_t world,
+                     const int32_t* __restrict__ block_counts, int32_t* __restrict__ token_pos,
+                     int32_t* __restrict__ token_count) {
+  __shared__ int32_t base[comm::kMaxRanks];
+  if (threadIdx.x < world) {  // earlier blocks' tokens for rank d; the last block: all
+    int32_t before = 0;
+    for (int b = 0; b < blockIdx.x; ++b) before += block_counts[b * world + threadIdx.x];
+    base[threadIdx.x] = before;
+    if (blockIdx.x == gridDim.x - 1) {
+      token_count[threadIdx.x] = before + block_counts[blockIdx.x * world + threadIdx.x];
+    }
+  }
+  const int64_t t = blockIdx.x * int64_t(kPlanThreads) + threadIdx.x;
+  const uint32_t mask = t < T ? destinations(topk_ids, slot_row, t, k, experts_per_rank, world) : 0;
+  int32_t place[comm::kMaxRanks], total[comm::kMaxRanks];
+  block_places(mask, world, place, total);  // (its __syncthreads also orders `base`)
+  if (t >= T) return;
+#pragma unroll
+  for (int d = 0; d < comm::kMaxRanks; ++d) {
+    if (d < world) token_pos[t * world + d] = (mask >> d) & 1 ? base[d] + place[d] : -1;
   }
 }
 
@@ -278,13 +336,22 @@ __global__ void __launch_bounds__(kCopyThreads)
           slot_owner = id / experts_per_rank;
         }
       }
+      // The rows, read once, to every destination rank.
+      const auto to = [&](size_t area) {
+        return [&, area](int d) -> __nv_bfloat16* {
+          const int32_t pos = token_pos[t * world + d];
+          if (pos < 0) return nullptr;
+          return in<__nv_bfloat16>(peers.buffers[d], area) +
+                 (int64_t(peers.rank) * layout.max_tokens + pos) * H;
+        };
+      };
+      copy_row_to(x + t * H, H, lane, world, to(layout.recv_x));
+      if (dy != nullptr) copy_row_to(dy + t * H, H, lane, world, to(layout.recv_dy));
       for (int d = 0; d < world; ++d) {
         const int32_t pos = token_pos[t * world + d];
         if (pos < 0) continue;
         char* dst = peers.buffers[d];
         const int64_t i = int64_t(peers.rank) * layout.max_tokens + pos;  // token index there
-        copy_row(x + t * H, in<__nv_bfloat16>(dst, layout.recv_x) + i * H, H, lane);
-        if (dy != nullptr) copy_row(dy + t * H, in<__nv_bfloat16>(dst, layout.recv_dy) + i * H, H, lane);
         if (lane < k) {
           int32_t row = -1;
           if (slot_owner == d) {
@@ -331,16 +398,27 @@ __global__ void __launch_bounds__(kCopyThreads)
                 (int64_t(peers.rank) * layout.max_tokens + t) * H;
     for (int c = lane * 8; c < H; c += 32 * 8) {
       float acc[8] = {};
-      for (int j = 0; j < k; ++j) {
-        const int32_t row = __shfl_sync(0xffffffffu, my_row, j);
-        const float w = __shfl_sync(0xffffffffu, my_weight, j);
-        if (row < 0) continue;
-        const uint4 v = *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c);
-        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(b[e]);
-          acc[2 * e] += w * f.x;
-          acc[2 * e + 1] += w * f.y;
+      for (int j0 = 0; j0 < k; j0 += kBatch) {  // kBatch rows' loads in flight, then in order
+        uint4 v[kBatch];
+        float w[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
+          w[b] = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
+          const bool used = j0 + b < k && row >= 0;
+          v[b] = used ? *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c)
+                      : make_uint4(0, 0, 0, 0);
+          if (!used) w[b] = 0.f;
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[b]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(h[e]);
+            acc[2 * e] += w[b] * f.x;
+            acc[2 * e + 1] += w[b] * f.y;
+          }
         }
       }
       uint4 packed;
@@ -530,9 +608,19 @@ Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspa
   r.token_pos = at<int32_t>(workspace, w.token_pos);
   auto* token_count = at<int32_t>(workspace, w.token_count);
   const auto token_plan = [&](auto* ids) {
-    token_plan_kernel<<<1, 1024, 0, stream>>>(ids, r.plan.slot_row, T, static_cast<int32_t>(k),
-                                              static_cast<int32_t>(r.e_local), peers.world_size,
-                                              r.token_pos, token_count);
+    if (T == 0) {  // no token goes anywhere
+      MEGAMOE_CUDA_CHECK(cudaMemsetAsync(token_count, 0, comm::kMaxRanks * 4, stream));
+      return;
+    }
+    const int blocks = static_cast<int>((T + kPlanThreads - 1) / kPlanThreads);
+    auto* block_counts = at<int32_t>(workspace, w.block_counts);
+    const auto kk = static_cast<int32_t>(k), el = static_cast<int32_t>(r.e_local);
+    token_count_kernel<<<blocks, kPlanThreads, 0, stream>>>(ids, r.plan.slot_row, T, kk, el,
+                                                            peers.world_size, block_counts);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+    token_pos_kernel<<<blocks, kPlanThreads, 0, stream>>>(ids, r.plan.slot_row, T, kk, el,
+                                                          peers.world_size, block_counts,
+                                                          r.token_pos, token_count);
   };
   if (ids_are_int64) {
     token_plan(static_cast<const int64_t*>(topk_ids));
