@@ -95,6 +95,14 @@ void check_memory(std::initializer_list<Named> inputs, std::initializer_list<Nam
   }
 }
 
+// The saved h of the EP saved mode: bf16 [max_recv_rows, 2I] (the rows this rank computes).
+void check_saved_h(const megamoe_tensor& h, const ep::Group& g, const LayerShape& s) {
+  require_rank(h, "saved_h", 2, "[max_recv_rows, 2I]");
+  require_shape(h, "saved_h", {{"max_recv_rows", g.max_recv_rows}, {"2I", 2 * s.I}},
+                "from the group and w_gate_up");
+  require_dtype(h, "saved_h", {MEGAMOE_DTYPE_BFLOAT16});
+}
+
 }  // namespace
 
 extern "C" {
@@ -123,13 +131,14 @@ MEGAMOE_API megamoe_status megamoe_ep_workspace_size(const megamoe_ep_group* gro
 MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_group* group,
                                                               int64_t tokens,
                                                               int64_t intermediate,
-                                                              size_t* bytes) {
+                                                              int32_t h_saved, size_t* bytes) {
   return abi_call("megamoe_ep_backward_workspace_size", [&] {
     if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
     if (tokens < 0 || intermediate < 128 || intermediate % 128) {
       throw_invalid("tokens >= 0 and intermediate a positive multiple of 128 expected");
     }
-    *bytes = ep::backward_workspace_bytes(to_group(group, false), tokens, intermediate);
+    *bytes = ep::backward_workspace_bytes(to_group(group, false), tokens, intermediate,
+                                          h_saved != 0);
     return MEGAMOE_SUCCESS;
   });
 }
@@ -159,22 +168,29 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
                                               const megamoe_tensor* topk_weights,
                                               const megamoe_tensor* w_gate_up,
                                               const megamoe_tensor* w_down, megamoe_tensor* y,
-                                              void* workspace, size_t workspace_bytes,
-                                              void* cuda_stream) {
+                                              megamoe_tensor* saved_h, void* workspace,
+                                              size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_ep_forward", [&] {
     const ep::Group g = to_group(group, true);
     const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
     check_token_rows(y, "y", s);
     require_dtype(*y, "y", {MEGAMOE_DTYPE_BFLOAT16});
-    check_memory({{x, "x"}, {topk_ids, "topk_ids"}, {topk_weights, "topk_weights"},
-                  {w_gate_up, "w_gate_up"}, {w_down, "w_down"}},
-                 {{y, "y"}});
+    const std::initializer_list<Named> inputs = {{x, "x"}, {topk_ids, "topk_ids"},
+                                                 {topk_weights, "topk_weights"},
+                                                 {w_gate_up, "w_gate_up"}, {w_down, "w_down"}};
+    if (saved_h != nullptr) {
+      check_saved_h(*saved_h, g, s);
+      check_memory(inputs, {{y, "y"}, {saved_h, "saved_h"}});
+    } else {
+      check_memory(inputs, {{y, "y"}});
+    }
     ep::forward(g, static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
                 topk_ids->dtype == MEGAMOE_DTYPE_INT64, static_cast<const float*>(topk_weights->data),
                 static_cast<const __nv_bfloat16*>(w_gate_up->data),
                 static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.I,
-                static_cast<__nv_bfloat16*>(y->data), workspace, workspace_bytes,
-                static_cast<cudaStream_t>(cuda_stream));
+                static_cast<__nv_bfloat16*>(y->data),
+                saved_h != nullptr ? static_cast<__nv_bfloat16*>(saved_h->data) : nullptr,
+                workspace, workspace_bytes, static_cast<cudaStream_t>(cuda_stream));
     return MEGAMOE_SUCCESS;
   });
 }
@@ -182,9 +198,10 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
 MEGAMOE_API megamoe_status megamoe_ep_backward(
     const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
     const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
-    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down, megamoe_tensor* dx,
-    megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down,
-    void* workspace, size_t workspace_bytes, void* cuda_stream) {
+    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down,
+    const megamoe_tensor* saved_h, megamoe_tensor* dx, megamoe_tensor* d_topk_weights,
+    megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down, void* workspace,
+    size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_ep_backward", [&] {
     const ep::Group g = to_group(group, true);
     const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
@@ -200,22 +217,34 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
     require_dtype(*d_topk_weights, "d_topk_weights", {MEGAMOE_DTYPE_FLOAT32});
     require_shape(*d_w_gate_up, "d_w_gate_up", {{"E", s.E}, {"2I", 2 * s.I}, {"H", s.H}},
                   "from w_gate_up");
-    require_dtype(*d_w_gate_up, "d_w_gate_up", {MEGAMOE_DTYPE_BFLOAT16});
+    require_dtype(*d_w_gate_up, "d_w_gate_up", {MEGAMOE_DTYPE_BFLOAT16, MEGAMOE_DTYPE_FLOAT32});
     require_shape(*d_w_down, "d_w_down", {{"E", s.E}, {"H", s.H}, {"I", s.I}}, "from w_down");
-    require_dtype(*d_w_down, "d_w_down", {MEGAMOE_DTYPE_BFLOAT16});
-    check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"}, {topk_weights, "topk_weights"},
-                  {w_gate_up, "w_gate_up"}, {w_down, "w_down"}},
-                 {{dx, "dx"}, {d_topk_weights, "d_topk_weights"}, {d_w_gate_up, "d_w_gate_up"},
-                  {d_w_down, "d_w_down"}});
+    require_dtype(*d_w_down, "d_w_down", {MEGAMOE_DTYPE_BFLOAT16, MEGAMOE_DTYPE_FLOAT32});
+    const std::initializer_list<Named> outputs = {{dx, "dx"}, {d_topk_weights, "d_topk_weights"},
+                                                  {d_w_gate_up, "d_w_gate_up"},
+                                                  {d_w_down, "d_w_down"}};
+    if (saved_h != nullptr) {
+      check_saved_h(*saved_h, g, s);
+      check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"},
+                    {topk_weights, "topk_weights"}, {w_gate_up, "w_gate_up"},
+                    {w_down, "w_down"}, {saved_h, "saved_h"}}, outputs);
+    } else {
+      check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"},
+                    {topk_weights, "topk_weights"}, {w_gate_up, "w_gate_up"},
+                    {w_down, "w_down"}}, outputs);
+    }
+    const auto grad = [](megamoe_tensor* t) {
+      return ep::WeightGrad{t->data, t->dtype == MEGAMOE_DTYPE_FLOAT32};
+    };
     ep::backward(g, static_cast<const __nv_bfloat16*>(dy->data),
                  static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
                  topk_ids->dtype == MEGAMOE_DTYPE_INT64,
                  static_cast<const float*>(topk_weights->data),
                  static_cast<const __nv_bfloat16*>(w_gate_up->data),
                  static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.I,
+                 saved_h != nullptr ? static_cast<const __nv_bfloat16*>(saved_h->data) : nullptr,
                  static_cast<__nv_bfloat16*>(dx->data), static_cast<float*>(d_topk_weights->data),
-                 static_cast<__nv_bfloat16*>(d_w_gate_up->data),
-                 static_cast<__nv_bfloat16*>(d_w_down->data), workspace, workspace_bytes,
+                 grad(d_w_gate_up), grad(d_w_down), workspace, workspace_bytes,
                  static_cast<cudaStream_t>(cuda_stream));
     return MEGAMOE_SUCCESS;
   });

@@ -1,6 +1,7 @@
 #include "comm/ep_layer.h"
 
 #include <string>
+#include <utility>
 
 #include "comm/peer_sync.cuh"
 #include "core/cuda_check.h"
@@ -97,14 +98,14 @@ struct BackwardWorkspace {
   size_t total;
 };
 
-BackwardWorkspace carve_backward(const Group& g, int64_t T, int64_t I) {
+BackwardWorkspace carve_backward(const Group& g, int64_t T, int64_t I, bool h_saved) {
   Carver c;
   BackwardWorkspace w{};
   const int64_t R = g.max_recv_rows;
   const int64_t P = padded_rows_bound(R, g.num_experts / g.peers.world_size);
   w.route = carve_route(c, g, T);
   w.identity = c.take(R * 4);
-  w.h = c.take(R * 2 * I * 2);
+  w.h = h_saved ? 0 : c.take(R * 2 * I * 2);  // the forward's h in saved mode
   w.dh = c.take(P * 2 * I * 2);
   w.a = c.take(P * I * 2);
   w.dp_partial = c.take(R * sm90::swiglu_backward_n_tiles(I) * 4);
@@ -552,9 +553,10 @@ size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermedi
   return carve_forward(g, tokens, intermediate).total;
 }
 
-size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate) {
+size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate,
+                                bool h_saved) {
   check_group(g);
-  return carve_backward(g, tokens, intermediate).total;
+  return carve_backward(g, tokens, intermediate, h_saved).total;
 }
 
 namespace {
@@ -699,12 +701,26 @@ sm90::GroupedGemmArgs received_rows(const Group& g, const Routed& r,
   return a;
 }
 
+// A weight gradient GEMM's arguments, written in bf16 or added into fp32.
+sm90::WgradArgs wgrad_args(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t rows,
+                           int64_t m, int64_t n, int64_t experts, const int32_t* tile_offsets,
+                           WeightGrad out) {
+  sm90::WgradArgs args{a, b, rows, m, n, experts, tile_offsets, nullptr};
+  if (out.accumulate) {
+    args.c_accumulate = static_cast<float*>(out.data);
+  } else {
+    args.c = static_cast<__nv_bfloat16*>(out.data);
+  }
+  return args;
+}
+
 }  // namespace
 
 void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
              const float* topk_weights, const __nv_bfloat16* w_gate_up,
              const __nv_bfloat16* w_down, int64_t T, int64_t I, __nv_bfloat16* y,
-             void* workspace, size_t workspace_size, cudaStream_t stream) {
+             __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
+             cudaStream_t stream) {
   check_call(g, T, I);
   const ForwardWorkspace w = carve_forward(g, T, I);
   if (workspace == nullptr || workspace_size < w.total) {
@@ -725,6 +741,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   l1.k = H;
   l1.c = activation;
   l1.ldc = I;
+  l1.h_out = saved_h;  // saved mode: h = [gate | up] of every received row, for the backward
   sm90::grouped_gemm_swiglu(l1, I, stream);
   sm90::GroupedGemmArgs l2 = received_rows(g, r);
   l2.a = activation;
@@ -745,14 +762,14 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
 void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
               const __nv_bfloat16* w_gate_up, const __nv_bfloat16* w_down, int64_t T, int64_t I,
-              __nv_bfloat16* dx, float* d_topk_weights, __nv_bfloat16* d_w_gate_up,
-              __nv_bfloat16* d_w_down, void* workspace, size_t workspace_size,
-              cudaStream_t stream) {
+              const __nv_bfloat16* saved_h, __nv_bfloat16* dx, float* d_topk_weights,
+              WeightGrad d_w_gate_up, WeightGrad d_w_down, void* workspace,
+              size_t workspace_size, cudaStream_t stream) {
   check_call(g, T, I);
-  if (!dy || !dx || !d_topk_weights || !d_w_gate_up || !d_w_down) {
+  if (!dy || !dx || !d_topk_weights || !d_w_gate_up.data || !d_w_down.data) {
     throw_invalid("EP backward: dy and every gradient are required in this version");
   }
-  const BackwardWorkspace w = carve_backward(g, T, I);
+  const BackwardWorkspace w = carve_backward(g, T, I, saved_h != nullptr);
   if (workspace == nullptr || workspace_size < w.total) {
     throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
   }
@@ -768,21 +785,24 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   const auto* recv_x = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_x);
   const auto* recv_dy = reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_dy);
   const auto* recv_weight = reinterpret_cast<const float*>(own + r.buffer.recv_weight);
-  auto* h = at<__nv_bfloat16>(workspace, w.h);
+  const __nv_bfloat16* h = saved_h;
   auto* dh = at<__nv_bfloat16>(workspace, w.dh);
   auto* a = at<__nv_bfloat16>(workspace, w.a);
   auto* dp_partial = at<float>(workspace, w.dp_partial);
   auto* dp_rows = at<float>(workspace, w.dp_rows);
   auto* token_rows = at<__nv_bfloat16>(workspace, w.token_rows);
 
-  // L1 recomputed on the received x rows.
-  sm90::GroupedGemmArgs l1 = received_rows(g, r, recv_x);
-  l1.b = w_gate_up;
-  l1.b_rows_per_expert = 2 * I;
-  l1.k = H;
-  l1.c = h;
-  l1.ldc = 2 * I;
-  sm90::grouped_gemm(l1, stream);
+  if (saved_h == nullptr) {  // L1 recomputed on the received x rows
+    auto* h_out = at<__nv_bfloat16>(workspace, w.h);
+    sm90::GroupedGemmArgs l1 = received_rows(g, r, recv_x);
+    l1.b = w_gate_up;
+    l1.b_rows_per_expert = 2 * I;
+    l1.k = H;
+    l1.c = h_out;
+    l1.ldc = 2 * I;
+    sm90::grouped_gemm(l1, stream);
+    h = h_out;
+  }
   // dgrad of L2 with the SwiGLU backward: dh and a padded, dp partials per received row.
   sm90::GroupedGemmArgs l2 = received_rows(g, r, recv_dy);
   l2.b = w_down;
@@ -808,18 +828,24 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
 
   // Weight gradients (local) while the peers finish: token_rows is free again.
   gather_rows_padded(recv_dy, H, r.recv, E_local, recv_weight, P, token_rows, stream);
-  sm90::grouped_gemm_wgrad({token_rows, a, P, H, I, E_local, r.recv.tile_offsets, d_w_down},
-                           stream);
+  sm90::grouped_gemm_wgrad(wgrad_args(token_rows, a, P, H, I, E_local, r.recv.tile_offsets,
+                                      d_w_down), stream);
   gather_rows_padded(recv_x, H, r.recv, E_local, nullptr, P, token_rows, stream);
-  sm90::grouped_gemm_wgrad({dh, token_rows, P, 2 * I, H, E_local, r.recv.tile_offsets,
-                            d_w_gate_up}, stream);
+  sm90::grouped_gemm_wgrad(wgrad_args(dh, token_rows, P, 2 * I, H, E_local,
+                                      r.recv.tile_offsets, d_w_gate_up), stream);
   combine_phase(g, r, stream);
 
   final_combine(g, r, T, dx, d_topk_weights, stream);
   poison_if_skipped(dx, T * H, r.skip, r.sms, stream);
   poison_if_skipped(d_topk_weights, T * g.topk, r.skip, r.sms, stream);
-  poison_if_skipped(d_w_gate_up, E_local * 2 * I * H, r.skip, r.sms, stream);
-  poison_if_skipped(d_w_down, E_local * H * I, r.skip, r.sms, stream);
+  for (const auto& [grad, n] : {std::pair{d_w_gate_up, E_local * 2 * I * H},
+                                std::pair{d_w_down, E_local * H * I}}) {
+    if (grad.accumulate) {
+      poison_if_skipped(static_cast<float*>(grad.data), n, r.skip, r.sms, stream);
+    } else {
+      poison_if_skipped(static_cast<__nv_bfloat16*>(grad.data), n, r.skip, r.sms, stream);
+    }
+  }
 }
 
 }  // namespace megamoe::ep

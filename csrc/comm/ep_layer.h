@@ -70,24 +70,36 @@ BufferLayout buffer_layout(const Group& g);
 
 // Device workspace of one call (caller-allocated, no initialisation).
 size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate);
-size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate);
+// h_saved: the backward takes the forward's saved h instead of recomputing L1.
+size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate,
+                                bool h_saved);
 
 // x [T, H] bf16, topk_ids [T, k] int32/int64 global ids in [-1, E), topk_weights [T, k]
-// fp32, w_gate_up [E_local, 2I, H], w_down [E_local, H, I] bf16; y [T, H] bf16. Collective:
-// every rank of the group calls it with the same E, H, I, k.
+// fp32, w_gate_up [E_local, 2I, H], w_down [E_local, H, I] bf16; y [T, H] bf16. saved_h:
+// null, or bf16 [max_recv_rows, 2I] that receives h = [gate | up] of the rows this rank
+// computes, for a backward in saved mode. Collective: every rank of the group calls it
+// with the same E, H, I, k.
 void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
              const float* topk_weights, const __nv_bfloat16* w_gate_up,
              const __nv_bfloat16* w_down, int64_t T, int64_t I, __nv_bfloat16* y,
-             void* workspace, size_t workspace_size, cudaStream_t stream);
+             __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
+             cudaStream_t stream);
 
-// Recompute mode (L1 recomputed on the owner from the dispatched x rows). Writes dx [T, H]
-// bf16, d_topk_weights [T, k] fp32 (0 for an id of -1), d_w_gate_up [E_local, 2I, H] and
-// d_w_down [E_local, H, I] bf16 (this rank's experts, zeros for those without rows).
+// A weight gradient: bf16 written, or (accumulate) fp32 added into.
+struct WeightGrad {
+  void* data;
+  bool accumulate;
+};
+
+// Writes dx [T, H] bf16 and d_topk_weights [T, k] fp32 (0 for an id of -1), and this
+// rank's experts' d_w_gate_up [E_local, 2I, H] and d_w_down [E_local, H, I] (zeros, or
+// nothing added, for experts without rows). saved_h: null to recompute L1 on the owner
+// from the dispatched x rows, or the h that forward() wrote for the same routing.
 void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
               const __nv_bfloat16* w_gate_up, const __nv_bfloat16* w_down, int64_t T, int64_t I,
-              __nv_bfloat16* dx, float* d_topk_weights, __nv_bfloat16* d_w_gate_up,
-              __nv_bfloat16* d_w_down, void* workspace, size_t workspace_size,
-              cudaStream_t stream);
+              const __nv_bfloat16* saved_h, __nv_bfloat16* dx, float* d_topk_weights,
+              WeightGrad d_w_gate_up, WeightGrad d_w_down, void* workspace,
+              size_t workspace_size, cudaStream_t stream);
 
 }  // namespace megamoe::ep

@@ -214,7 +214,7 @@ MEGAMOE_API megamoe_status megamoe_ep_workspace_size(const megamoe_ep_group* gro
 MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_group* group,
                                                               int64_t tokens,
                                                               int64_t intermediate,
-                                                              size_t* bytes);
+                                                              int32_t h_saved, size_t* bytes);
 
 /* Offset in this rank's buffer of its int32 error word: 0 after a call that went well,
  * else a code for megamoe_ep_describe_error (a peer that did not arrive within the timeout,
@@ -228,28 +228,32 @@ MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message
  * [E/W, H, I] BFLOAT16 (this rank's experts), y [T, H] BFLOAT16; T <= max_tokens_per_rank.
  * Each owner rank sums a token's slots there in fp32 and sends one bf16 row, so y differs
  * from megamoe_fused_forward of the same global problem on one GPU by that rounding; it is
- * bitwise reproducible run to run. */
+ * bitwise reproducible run to run. saved_h: NULL, or BFLOAT16 [max_recv_rows, 2I] that
+ * receives h = [gate | up] of the rows this rank computes, for megamoe_ep_backward in
+ * saved mode (same routing). */
 MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
                                               const megamoe_tensor* x,
                                               const megamoe_tensor* topk_ids,
                                               const megamoe_tensor* topk_weights,
                                               const megamoe_tensor* w_gate_up,
                                               const megamoe_tensor* w_down, megamoe_tensor* y,
-                                              void* workspace, size_t workspace_bytes,
-                                              void* cuda_stream);
+                                              megamoe_tensor* saved_h, void* workspace,
+                                              size_t workspace_bytes, void* cuda_stream);
 
-/* Gradients of <dy, y> (L1 recomputed on the experts' ranks): dx [T, H] BFLOAT16 and
- * d_topk_weights [T, k] FLOAT32 (0 for an id of -1) for this rank's tokens, d_w_gate_up
- * [E/W, 2I, H] and d_w_down [E/W, H, I] BFLOAT16 for this rank's experts (zeros for those
- * without rows); all four required. d_topk_weights and the weight gradients are bitwise
- * equal to megamoe_fused_backward of the same global problem on one GPU; dx differs by the
- * owners' bf16 partial sums, as y does. */
+/* Gradients of <dy, y>: dx [T, H] BFLOAT16 and d_topk_weights [T, k] FLOAT32 (0 for an id
+ * of -1) for this rank's tokens, d_w_gate_up [E/W, 2I, H] and d_w_down [E/W, H, I] for this
+ * rank's experts: BFLOAT16 is written (zeros for experts without rows), FLOAT32 is added
+ * into (fp32 gradient accumulation); all four required. saved_h: NULL to recompute L1 on
+ * the experts' ranks, or the forward's saved_h. d_topk_weights and the weight gradients
+ * are bitwise equal to megamoe_fused_backward of the same global problem on one GPU; dx
+ * differs by the owners' bf16 partial sums, as y does. */
 MEGAMOE_API megamoe_status megamoe_ep_backward(
     const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
     const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
-    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down, megamoe_tensor* dx,
-    megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down,
-    void* workspace, size_t workspace_bytes, void* cuda_stream);
+    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down,
+    const megamoe_tensor* saved_h, megamoe_tensor* dx, megamoe_tensor* d_topk_weights,
+    megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down, void* workspace,
+    size_t workspace_bytes, void* cuda_stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

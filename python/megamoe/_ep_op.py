@@ -1,9 +1,11 @@
-"""backend="fused" with an expert-parallel group: forward and backward (recompute mode) as
-torch custom ops over a megamoe.Buffer."""
+"""backend="fused" with an expert-parallel group: forward and backward (recompute or saved
+mode, weight gradients written or added into fp32 accumulators) as torch custom ops over a
+megamoe.Buffer."""
 
 from __future__ import annotations
 
 import ctypes
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -12,77 +14,133 @@ from . import _lib
 from . import buffer as _buffer
 
 
-def _workspace(name: str, buf, T: int, I: int, device) -> tuple[Tensor, int]:
+def _workspace(size: int, device) -> tuple[Tensor, int]:
+    return torch.empty(size, dtype=torch.uint8, device=device), size
+
+
+def _forward_workspace(buf, T: int, I: int, device) -> tuple[Tensor, int]:
     size = ctypes.c_size_t()
-    _lib.call(name, ctypes.byref(buf._struct), T, I, ctypes.byref(size))
-    return torch.empty(size.value, dtype=torch.uint8, device=device), size.value
+    _lib.call("megamoe_ep_workspace_size", ctypes.byref(buf._struct), T, I, ctypes.byref(size))
+    return _workspace(size.value, device)
+
+
+def _backward_workspace(buf, T: int, I: int, h_saved: bool, device) -> tuple[Tensor, int]:
+    size = ctypes.c_size_t()
+    _lib.call("megamoe_ep_backward_workspace_size", ctypes.byref(buf._struct), T, I,
+              int(h_saved), ctypes.byref(size))
+    return _workspace(size.value, device)
 
 
 def _stream(device) -> ctypes.c_void_p:
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 
+def _h_shape(buffer_id: int, w_gate_up: Tensor) -> tuple[int, int]:
+    return (_buffer.get(buffer_id).max_recv_rows, w_gate_up.shape[1])
+
+
+# The accumulators have no defaults: torch 2.11 drops trailing default arguments before
+# its ADInplaceOrView step, which then indexes a mutated argument that is not there.
 @torch.library.custom_op("megamoe::fused_ep_forward", mutates_args=())
 def fused_ep_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
-                     w_down: Tensor, buffer_id: int) -> Tensor:
+                     w_down: Tensor, buffer_id: int, save_h: bool, acc_gate_up: Optional[Tensor],
+                     acc_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """y, and h of the rows this rank computes ([max_recv_rows, 2I]) when save_h, else an
+    empty tensor; collective. The accumulators are only handed to autograd."""
     buf = _buffer.get(buffer_id)
     y = torch.empty_like(x)
+    h = x.new_empty(_h_shape(buffer_id, w_gate_up)) if save_h else x.new_empty((0,))
     weights = topk_weights.float().contiguous()
     with torch.cuda.device(x.device):
-        workspace, nbytes = _workspace("megamoe_ep_workspace_size", buf, x.shape[0],
-                                       w_gate_up.shape[1] // 2, x.device)
+        workspace, nbytes = _forward_workspace(buf, x.shape[0], w_gate_up.shape[1] // 2, x.device)
         d = [_lib.describe(t) for t in (x, topk_ids, weights, w_gate_up, w_down, y)]
+        d.append(_lib.describe(h) if save_h else None)
         _lib.call("megamoe_ep_forward", ctypes.byref(buf._struct), *(_lib.ref(v) for v in d),
                   ctypes.c_void_p(workspace.data_ptr()), nbytes, _stream(x.device))
-    return y
+    return y, h
 
 
 @fused_ep_forward.register_fake
-def _(x, topk_ids, topk_weights, w_gate_up, w_down, buffer_id):
-    return torch.empty_like(x)
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, buffer_id, save_h, acc_gate_up, acc_down):
+    h = x.new_empty(_h_shape(buffer_id, w_gate_up)) if save_h else x.new_empty((0,))
+    return torch.empty_like(x), h
 
 
-@torch.library.custom_op("megamoe::fused_ep_backward", mutates_args=())
-def fused_ep_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                      w_gate_up: Tensor, w_down: Tensor, buffer_id: int
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx, d topk_weights (fp32), d w_gate_up, d w_down (this rank's experts); collective."""
-    buf = _buffer.get(buffer_id)
+def _grad_outputs(x, topk_ids, w_gate_up, w_down, acc_gate_up, acc_down) -> list[Tensor]:
     T, k = topk_ids.shape
-    grads = (torch.empty_like(x), torch.empty((T, k), dtype=torch.float32, device=x.device),
-             torch.empty_like(w_gate_up), torch.empty_like(w_down))
+    return [torch.empty_like(x), x.new_empty((T, k), dtype=torch.float32),
+            torch.empty_like(w_gate_up) if acc_gate_up is None else x.new_empty((0,)),
+            torch.empty_like(w_down) if acc_down is None else x.new_empty((0,))]
+
+
+@torch.library.custom_op("megamoe::fused_ep_backward", mutates_args=("acc_gate_up", "acc_down"))
+def fused_ep_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                      w_gate_up: Tensor, w_down: Tensor, saved_h: Tensor, buffer_id: int,
+                      acc_gate_up: Optional[Tensor], acc_down: Optional[Tensor]
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx, d topk_weights (fp32), d w_gate_up, d w_down (this rank's experts); collective.
+    saved_h: the forward's h, or empty to recompute L1. A weight gradient with an fp32
+    accumulator is added into it instead (and comes back empty)."""
+    buf = _buffer.get(buffer_id)
+    T = topk_ids.shape[0]
+    h_saved = saved_h.numel() > 0
+    grads = _grad_outputs(x, topk_ids, w_gate_up, w_down, acc_gate_up, acc_down)
+    targets = grads[:2] + [acc if acc is not None else g
+                           for acc, g in ((acc_gate_up, grads[2]), (acc_down, grads[3]))]
     with torch.cuda.device(x.device):
-        workspace, nbytes = _workspace("megamoe_ep_backward_workspace_size", buf, T,
-                                       w_gate_up.shape[1] // 2, x.device)
-        d = [_lib.describe(t) for t in (dy, x, topk_ids, topk_weights, w_gate_up, w_down, *grads)]
+        workspace, nbytes = _backward_workspace(buf, T, w_gate_up.shape[1] // 2, h_saved,
+                                                x.device)
+        d = [_lib.describe(t) for t in (dy, x, topk_ids, topk_weights, w_gate_up, w_down)]
+        d.append(_lib.describe(saved_h) if h_saved else None)
+        d += [_lib.describe(t) for t in targets]
         _lib.call("megamoe_ep_backward", ctypes.byref(buf._struct), *(_lib.ref(v) for v in d),
                   ctypes.c_void_p(workspace.data_ptr()), nbytes, _stream(x.device))
-    return grads
+    return tuple(grads)
 
 
 @fused_ep_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, buffer_id):
-    T, k = topk_ids.shape
-    return (torch.empty_like(x), x.new_empty((T, k), dtype=torch.float32),
-            torch.empty_like(w_gate_up), torch.empty_like(w_down))
+def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, buffer_id, acc_gate_up,
+      acc_down):
+    return tuple(_grad_outputs(x, topk_ids, w_gate_up, w_down, acc_gate_up, acc_down))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w_gate_up, w_down, buffer_id = inputs
+    x, topk_ids, topk_weights, w_gate_up, w_down, buffer_id, _, acc_gate_up, acc_down = inputs
+    _, h = output
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
     ctx.buffer_id = buffer_id
     ctx.weights_dtype = topk_weights.dtype
-    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, h, acc_gate_up,
+                          acc_down)
 
 
-def _backward(ctx, dy):
-    x, topk_ids, topk_weights, w_gate_up, w_down = ctx.saved_tensors
-    # Collective: every rank runs it, whatever its own inputs need.
+def _backward(ctx, dy, _dh):
+    x, topk_ids, topk_weights, w_gate_up, w_down, h, acc_gate_up, acc_down = ctx.saved_tensors
+    # Collective: every rank runs it, whatever its own inputs need (a rank whose y got no
+    # gradient still serves its peers' rows).
+    if dy is None:
+        dy = torch.zeros_like(x)
     dx, dp, dw1, dw2 = fused_ep_backward(dy.to(x.dtype).contiguous(), x, topk_ids,
                                          topk_weights.float().contiguous(), w_gate_up, w_down,
-                                         ctx.buffer_id)
+                                         h, ctx.buffer_id, acc_gate_up, acc_down)
     needs = ctx.needs_input_grad
     return (dx if needs[0] else None, None, dp.to(ctx.weights_dtype) if needs[2] else None,
-            dw1 if needs[3] else None, dw2 if needs[4] else None, None)
+            dw1 if needs[3] and acc_gate_up is None else None,
+            dw2 if needs[4] and acc_down is None else None, None, None, None, None)
 
 
 fused_ep_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_ep_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
+                 w_down: Tensor, buffer, backward_mode: str = "recompute",
+                 weight_grad_accumulators=None) -> Tensor:
+    """The fused layer over an EP group's megamoe.Buffer, differentiable; h is kept only in
+    the "saved" mode and only when a backward can follow."""
+    save_h = backward_mode == "saved" and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
+    acc_gate_up, acc_down = weight_grad_accumulators or (None, None)
+    y, _ = fused_ep_forward(x, topk_ids, topk_weights, w_gate_up, w_down, buffer.id, save_h,
+                            acc_gate_up, acc_down)
+    return y

@@ -96,15 +96,16 @@ def _declare(lib: ctypes.CDLL) -> None:
                                               ctypes.POINTER(ctypes.c_size_t)]
     lib.megamoe_ep_backward_workspace_size.restype = ctypes.c_int
     lib.megamoe_ep_backward_workspace_size.argtypes = [ctypes.c_void_p, ctypes.c_int64,
-                                                       ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)]
+                                                       ctypes.c_int64, ctypes.c_int32,
+                                                       ctypes.POINTER(ctypes.c_size_t)]
     lib.megamoe_ep_backward.restype = ctypes.c_int
-    lib.megamoe_ep_backward.argtypes = [ctypes.c_void_p] + [_PTR] * 10 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.megamoe_ep_backward.argtypes = [ctypes.c_void_p] + [_PTR] * 11 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     lib.megamoe_ep_error_offset.restype = ctypes.c_int
     lib.megamoe_ep_error_offset.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
     lib.megamoe_ep_describe_error.restype = ctypes.c_int
     lib.megamoe_ep_describe_error.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
     lib.megamoe_ep_forward.restype = ctypes.c_int
-    lib.megamoe_ep_forward.argtypes = [ctypes.c_void_p] + [_PTR] * 6 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.megamoe_ep_forward.argtypes = [ctypes.c_void_p] + [_PTR] * 7 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     lib.megamoe_fused_backward.restype = ctypes.c_int
     lib.megamoe_fused_backward.argtypes = [_PTR] * 11 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 

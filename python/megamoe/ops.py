@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import _validate, torch_backend
-from ._ep_op import fused_ep_forward
+from ._ep_op import fused_ep_moe
 from ._fused_op import BACKWARD_MODES, fused_moe
 from ._reference_op import reference_moe
-from .errors import MegaMoEError, NotBuiltError
+from .errors import MegaMoEError
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -29,14 +29,15 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         group: expert-parallel process group of W ranks; rank r owns global experts
             [r*E_local, (r+1)*E_local). None for one device.
         buffer: backend="fused" with a group of more than one rank: the group's
-            megamoe.Buffer (its backward recomputes L1).
+            megamoe.Buffer.
         precision: "bf16" | "fp8" | "fp8_bwd" | "mxfp8" (matrix precision of fused/torch).
         backend: "fused" | "torch" (TorchTitan-style baseline) | "reference".
         check_ids: check that ids lie in [-1, E_total) (one host sync). Default: checked,
             except while torch.compile traces or a CUDA graph is captured.
         backward_mode: backend="fused" only. "recompute" (default): the forward keeps only
             its inputs and the backward recomputes L1. "saved": the forward also keeps the
-            L1 output (T*k*2I values of x's dtype) and the backward skips that GEMM.
+            L1 output (T*k*2I values of x's dtype; with a buffer, the max_recv_rows*2I rows
+            this rank computes) and the backward skips that GEMM.
         weight_grad_accumulators: backend="fused" only. (acc_gate_up, acc_down), fp32
             tensors shaped like w_gate_up and w_down (either may be None): the backward adds
             the weight gradients into them in fp32 (gradient accumulation without a bf16
@@ -57,14 +58,8 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if backend == "reference":
         return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
     if backend == "fused" and buffer is not None:
-        if weight_grad_accumulators is not None:
-            raise NotBuiltError("weight_grad_accumulators: not with an expert-parallel group in "
-                                "this version")
-        if backward_mode == "saved" and torch.is_grad_enabled() and any(
-                t.requires_grad for t in (x, topk_weights, w_gate_up, w_down)):
-            raise NotBuiltError("backward_mode='saved': the expert-parallel backward recomputes "
-                                "L1 in this version; use backward_mode='recompute'")
-        return fused_ep_forward(x, topk_ids, topk_weights, w_gate_up, w_down, buffer.id)
+        return fused_ep_moe(x, topk_ids, topk_weights, w_gate_up, w_down, buffer, backward_mode,
+                            weight_grad_accumulators)
     if backend == "fused":
         return fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, backward_mode,
                          weight_grad_accumulators)

@@ -35,9 +35,13 @@ TEST(EpAbi, SizesOfAValidGroup) {
   // At least the received tokens (x and dy) and the combine area: 3 x W x T x H bf16.
   EXPECT_GE(buffer, size_t{3} * 2 * 1000 * 512 * 2);
   ASSERT_EQ(megamoe_ep_workspace_size(&g, 1000, 256, &forward), MEGAMOE_SUCCESS);
-  ASSERT_EQ(megamoe_ep_backward_workspace_size(&g, 1000, 256, &backward), MEGAMOE_SUCCESS);
+  ASSERT_EQ(megamoe_ep_backward_workspace_size(&g, 1000, 256, 0, &backward), MEGAMOE_SUCCESS);
+  size_t backward_saved = 0;  // saved mode: no room for a recomputed h
+  ASSERT_EQ(megamoe_ep_backward_workspace_size(&g, 1000, 256, 1, &backward_saved),
+            MEGAMOE_SUCCESS);
   EXPECT_GT(forward, 0u);
   EXPECT_GT(backward, forward);
+  EXPECT_EQ(backward - backward_saved, size_t{2} * 1000 * 4 * 2 * 256 * 2);  // [R, 2I] bf16
   ASSERT_EQ(megamoe_ep_error_offset(&g, &error), MEGAMOE_SUCCESS);
   EXPECT_LT(error, buffer);
   megamoe_ep_group more_sms = g;

@@ -105,7 +105,8 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
 
     struct Rank {
       megamoe::ep::Group g;
-      __nv_bfloat16 *x, *w1, *w2, *y, *dy, *dx, *dw1, *dw2;
+      __nv_bfloat16 *x, *w1, *w2, *y, *dy, *dx, *dw1, *dw2, *saved_h;
+      float *acc1, *acc2;  // fp32 weight-gradient accumulators (saved-mode call)
       int32_t* ids;
       float *weights, *dp;
       void *workspace, *bwd_workspace;
@@ -135,7 +136,12 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
       rk.dw2 = static_cast<__nv_bfloat16*>(alloc_on(r, e_local * H * I * 2));
       rk.workspace_size = megamoe::ep::forward_workspace_bytes(rk.g, tokens, I);
       rk.workspace = alloc_on(r, rk.workspace_size);
-      rk.bwd_workspace_size = megamoe::ep::backward_workspace_bytes(rk.g, tokens, I);
+      rk.saved_h = static_cast<__nv_bfloat16*>(alloc_on(r, max_recv_rows * 2 * I * 2));
+      rk.acc1 = static_cast<float*>(alloc_on(r, e_local * 2 * I * H * 4));
+      rk.acc2 = static_cast<float*>(alloc_on(r, e_local * H * I * 4));
+      // Recompute mode needs the larger workspace; saved mode uses the same one.
+      rk.bwd_workspace_size = megamoe::ep::backward_workspace_bytes(rk.g, tokens, I, false);
+      EXPECT_LE(megamoe::ep::backward_workspace_bytes(rk.g, tokens, I, true), rk.bwd_workspace_size);
       rk.bwd_workspace = alloc_on(r, rk.bwd_workspace_size);
     }
 
@@ -187,8 +193,8 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
         CUDA_OK(cudaSetDevice(r));
         CUDA_OK(cudaMemsetAsync(ranks[r].y, 0xFF, tokens * H * 2, streams_[r]));
         megamoe::ep::forward(ranks[r].g, ranks[r].x, ranks[r].ids, false, ranks[r].weights,
-                             ranks[r].w1, ranks[r].w2, tokens, I, ranks[r].y, ranks[r].workspace,
-                             ranks[r].workspace_size, streams_[r]);
+                             ranks[r].w1, ranks[r].w2, tokens, I, ranks[r].y, nullptr,
+                             ranks[r].workspace, ranks[r].workspace_size, streams_[r]);
       }
       std::vector<uint16_t> got(T_all * H);
       for (int r = 0; r < W; ++r) {
@@ -227,20 +233,44 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
     }
     if (expect_capacity) return;
 
-    // The backward, twice on the same buffers (after the forwards above).
+    // The backward, twice on the same buffers (after the forwards above), then once in saved
+    // mode (after a forward that keeps h) adding the weight gradients into fp32 buffers.
     std::vector<uint16_t> first_dx;
-    for (int call = 0; call < 2; ++call) {
+    for (int call = 0; call < 3; ++call) {
+      const bool saved = call == 2;
+      if (saved) {
+        std::vector<uint16_t> y_saved(T_all * H);
+        for (int r = 0; r < W; ++r) {
+          CUDA_OK(cudaSetDevice(r));
+          Rank& rk = ranks[r];
+          megamoe::ep::forward(rk.g, rk.x, rk.ids, false, rk.weights, rk.w1, rk.w2, tokens, I,
+                               rk.y, rk.saved_h, rk.workspace, rk.workspace_size, streams_[r]);
+        }
+        for (int r = 0; r < W; ++r) {
+          CUDA_OK(cudaSetDevice(r));
+          CUDA_OK(cudaStreamSynchronize(streams_[r]));
+          CUDA_OK(cudaMemcpy(y_saved.data() + r * tokens * H, ranks[r].y, tokens * H * 2,
+                             cudaMemcpyDeviceToHost));
+        }
+        EXPECT_EQ(y_saved, first_y) << "the forward that keeps h changed y";
+      }
       for (int r = 0; r < W; ++r) {
         CUDA_OK(cudaSetDevice(r));
         Rank& rk = ranks[r];
         CUDA_OK(cudaMemsetAsync(rk.dx, 0xFF, tokens * H * 2, streams_[r]));
         CUDA_OK(cudaMemsetAsync(rk.dw1, 0xFF, e_local * 2 * I * H * 2, streams_[r]));
+        CUDA_OK(cudaMemsetAsync(rk.acc1, 0, e_local * 2 * I * H * 4, streams_[r]));
+        CUDA_OK(cudaMemsetAsync(rk.acc2, 0, e_local * H * I * 4, streams_[r]));
+        const megamoe::ep::WeightGrad g1 = saved ? megamoe::ep::WeightGrad{rk.acc1, true}
+                                                 : megamoe::ep::WeightGrad{rk.dw1, false};
+        const megamoe::ep::WeightGrad g2 = saved ? megamoe::ep::WeightGrad{rk.acc2, true}
+                                                 : megamoe::ep::WeightGrad{rk.dw2, false};
         megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rk.w1, rk.w2, tokens,
-                              I, rk.dx, rk.dp, rk.dw1, rk.dw2, rk.bwd_workspace,
-                              rk.bwd_workspace_size, streams_[r]);
+                              I, saved ? rk.saved_h : nullptr, rk.dx, rk.dp, g1, g2,
+                              rk.bwd_workspace, rk.bwd_workspace_size, streams_[r]);
       }
       std::vector<uint16_t> dx_all(T_all * H), dw1_all(E * 2 * I * H), dw2_all(E * H * I);
-      std::vector<float> dp_all(T_all * k);
+      std::vector<float> dp_all(T_all * k), acc1_all(E * 2 * I * H), acc2_all(E * H * I);
       for (int r = 0; r < W; ++r) {
         CUDA_OK(cudaSetDevice(r));
         CUDA_OK(cudaStreamSynchronize(streams_[r]));
@@ -250,6 +280,10 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
         CUDA_OK(cudaMemcpy(dw1_all.data() + r * e_local * 2 * I * H, rk.dw1, e_local * 2 * I * H * 2,
                            cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(dw2_all.data() + r * e_local * H * I, rk.dw2, e_local * H * I * 2,
+                           cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(acc1_all.data() + r * e_local * 2 * I * H, rk.acc1,
+                           e_local * 2 * I * H * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(acc2_all.data() + r * e_local * H * I, rk.acc2, e_local * H * I * 4,
                            cudaMemcpyDeviceToHost));
         int32_t code = -1;
         CUDA_OK(cudaMemcpy(&code, tables[r].buffers[r] + megamoe::ep::buffer_layout(rk.g).error, 4,
@@ -266,8 +300,16 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
       }
       EXPECT_EQ(std::memcmp(dp_all.data(), expected_dp.data(), dp_all.size() * 4), 0)
           << "EP backward d topk_weights differs from one GPU, call " << call;
-      EXPECT_EQ(dw1_all, expected_dw1) << "EP backward d w_gate_up differs, call " << call;
-      EXPECT_EQ(dw2_all, expected_dw2) << "EP backward d w_down differs, call " << call;
+      if (!saved) {
+        EXPECT_EQ(dw1_all, expected_dw1) << "EP backward d w_gate_up differs, call " << call;
+        EXPECT_EQ(dw2_all, expected_dw2) << "EP backward d w_down differs, call " << call;
+        continue;
+      }
+      // fp32 sums against their bf16 rounding: every element within 2^-9 relative.
+      const std::vector<double> a1(acc1_all.begin(), acc1_all.end()),
+          a2(acc2_all.begin(), acc2_all.end());
+      EXPECT_LT(megamoe_test::rel_error(decode(expected_dw1), a1), 2e-3) << "saved mode, fp32 d w_gate_up";
+      EXPECT_LT(megamoe_test::rel_error(decode(expected_dw2), a2), 2e-3) << "saved mode, fp32 d w_down";
     }
   }
 };

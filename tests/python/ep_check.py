@@ -124,12 +124,27 @@ def _graph_replay_matches_eager(mine, group, buf, eager):
     return same
 
 
+def _saved_mode_matches(mine, group, buf, first):
+    """backward_mode="saved" with fp32 weight-gradient accumulators: y, dx and d topk_weights
+    bit for bit those of the recompute mode, the fp32 weight gradients within their bf16
+    rounding (2^-9 relative) of its bf16 ones."""
+    accs = tuple(torch.zeros(mine[n].shape, dtype=torch.float32, device=mine[n].device)
+                 for n in ("w_gate_up", "w_down"))
+    y, grads = run_with_grads(megamoe.moe, mine, group=group, buffer=buf, backend="fused",
+                              backward_mode="saved", weight_grad_accumulators=accs)
+    return (torch.equal(y, first[0]) and torch.equal(grads["x"], first[1]["x"]) and
+            torch.equal(grads["topk_weights"], first[1]["topk_weights"]) and
+            grads["w_gate_up"] is None and grads["w_down"] is None and
+            all(rel_err(acc, first[1][n]) < 2e-3 for acc, n in zip(accs, ("w_gate_up", "w_down"))))
+
+
 def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
     """backend="fused" over a megamoe.Buffer, forward and backward: EP=W gathered must match
     the one-GPU fused layer (d topk_weights and the weight gradients bit for bit, y and dx
     within EP_VS_EP1_TOLERANCE) and the float64 reference; each rank's outputs must be
-    the same on every one of `repeats` back-to-back calls on the same buffer, and, with
-    `graph`, from a CUDA-graph replay of forward + backward."""
+    the same on every one of `repeats` back-to-back calls on the same buffer, in saved mode
+    with fp32 accumulators (_saved_mode_matches), and, with `graph`, from a CUDA-graph replay
+    of forward + backward."""
     name, T, H, I, E, k, extra = case
     p = make_problem(T * world, H, I, E, k, dtype=torch.bfloat16, device=device, seed=seed,
                      **extra)
@@ -144,17 +159,19 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
         if repeats >= 100 and rank == 0 and (i + 1) % 500 == 0:
             print(f"  {name}: {i + 1}/{repeats} calls", flush=True)
     graph_same = _graph_replay_matches_eager(mine, group, buf, first) if graph else None
+    saved_same = _saved_mode_matches(mine, group, buf, first)
     torch.cuda.synchronize()
     buf.check()
     buf.close()
     out = {"y": gather(first[0], world, group), **{n: gather(first[1][n], world, group) for n in NAMES}}
     # Every rank's verdicts, so rank 0 fails if any rank's calls differed.
-    flags = torch.tensor([same, graph_same is not False], device=device)
+    flags = torch.tensor([same, graph_same is not False, saved_same], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     result = {"case": name, "tokens_per_rank": T, "ep": world, "backend": "fused",
               "calls": repeats, "same_every_call": bool(flags[0])}
     if graph:
         result["graph_replay_equals_eager"] = bool(flags[1])
+    result["saved_mode_and_fp32_accumulators_match"] = bool(flags[2])
     if rank == 0:
         y1, grads1 = run_with_grads(megamoe.moe, p, backend="fused")
         ep1 = {"y": y1, **grads1}
