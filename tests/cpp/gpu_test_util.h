@@ -2,12 +2,14 @@
 // CUDA device, and expect_invalid, the check that a call rejects its arguments.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -23,6 +25,20 @@
 #define SEEDED(seed) SCOPED_TRACE("seed=" + std::to_string(seed))
 
 namespace megamoe_test {
+
+// The bits of v rounded to bf16 (round to nearest even), and the value of bf16 bits.
+inline uint16_t bf16_bits(double v) {
+  const __nv_bfloat16 b = __float2bfloat16(static_cast<float>(v));
+  uint16_t bits;
+  std::memcpy(&bits, &b, 2);
+  return bits;
+}
+inline double bf16_value(uint16_t bits) {
+  const uint32_t w = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
 
 // Fresh inputs every run; callers print the seed with SEEDED so a failure can be replayed.
 inline uint64_t fresh_seed() { return std::random_device{}(); }

@@ -19,23 +19,13 @@
 namespace {
 
 using megamoe_test::Dims;
+using megamoe_test::bf16_bits;
+using megamoe_test::bf16_value;
 using megamoe_test::dense_tensor;
 
-uint16_t to_bf16_bits(double v) {
-  const __nv_bfloat16 b = __float2bfloat16(static_cast<float>(v));
-  uint16_t bits;
-  std::memcpy(&bits, &b, 2);
-  return bits;
-}
-double from_bf16_bits(uint16_t bits) {
-  const uint32_t w = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
 std::vector<double> decode(const std::vector<uint16_t>& bits) {
   std::vector<double> v(bits.size());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = from_bf16_bits(bits[i]);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_value(bits[i]);
   return v;
 }
 constexpr double kEpVsOneGpu = 5e-3;  // y and dx: one bf16 rounding per owner's partial sum
@@ -43,8 +33,8 @@ std::vector<uint16_t> round_to_bf16(megamoe_test::Tensor& t) {
   std::vector<double> v = t.values();
   std::vector<uint16_t> bits(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
-    bits[i] = to_bf16_bits(v[i]);
-    v[i] = from_bf16_bits(bits[i]);
+    bits[i] = bf16_bits(v[i]);
+    v[i] = bf16_value(bits[i]);
   }
   t.assign(v);
   return bits;
@@ -213,7 +203,7 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
         }
       }
       if (expect_capacity) {
-        for (uint16_t v : got) ASSERT_TRUE(std::isnan(from_bf16_bits(v)));
+        for (uint16_t v : got) ASSERT_TRUE(std::isnan(bf16_value(v)));
         continue;
       }
       if (call > 0) {

@@ -15,20 +15,10 @@ namespace {
 
 using megamoe_test::Dims;
 using megamoe_test::GpuTest;
+using megamoe_test::bf16_bits;
+using megamoe_test::bf16_value;
 using megamoe_test::dense_tensor;
 
-uint16_t bf16_bits(double v) {
-  const __nv_bfloat16 b = __float2bfloat16(static_cast<float>(v));
-  uint16_t bits;
-  std::memcpy(&bits, &b, 2);
-  return bits;
-}
-double bf16_value(uint16_t bits) {
-  const uint32_t w = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
 
 // Rounds a tensor's values to bf16 in place and returns the bf16 bits.
 std::vector<uint16_t> round_to_bf16(megamoe_test::Tensor& t) {
