@@ -1,6 +1,5 @@
 #include "comm/ep_layer.h"
 
-#include <mutex>
 #include <string>
 #include <utility>
 
@@ -18,9 +17,6 @@ namespace {
 
 constexpr size_t kAlign = 256;
 constexpr int kCopyThreads = 256;
-constexpr int kDispatchThreads = 1024;  // one block fills an SM: the dispatch's SMs are whole
-// SMs of the forward's dispatch beside L1 unless Group.comm_sms says otherwise.
-constexpr int kDefaultOverlapSms = 8;
 constexpr int kPlanThreads = 256;  // tokens per block of the token plan
 constexpr int kBatch = 4;           // 16-byte loads a lane has in flight before it stores
 
@@ -127,15 +123,14 @@ T* at(void* base, size_t offset) {
 // The buffer offsets and sizes the kernels need.
 struct DeviceLayout {
   size_t recv_x, recv_dy, recv_token_count, recv_token_source, recv_slot_row, recv_row_token,
-      recv_weight, combine_rows, combine_dp, arrivals;
+      recv_weight, combine_rows, combine_dp;
   int32_t hidden, topk, max_tokens;
 };
 
 DeviceLayout device_layout(const BufferLayout& b, const Group& g) {
   return {b.recv_x,         b.recv_dy,        b.recv_token_count, b.recv_token_source,
           b.recv_slot_row,  b.recv_row_token, b.recv_weight,      b.combine_rows,
-          b.combine_dp,     b.arrivals,       static_cast<int32_t>(g.hidden),
-          static_cast<int32_t>(g.topk),
+          b.combine_dp,     static_cast<int32_t>(g.hidden), static_cast<int32_t>(g.topk),
           static_cast<int32_t>(g.max_tokens)};
 }
 
@@ -312,11 +307,9 @@ __global__ void __launch_bounds__(kPlanThreads)
 // 4. Each token once to each rank that owns one of its experts: the x row (backward: and
 // the dy row) into this rank's section of the owner's received tokens, and for each of
 // its slots there the owner row (send_base: the expert-sorted layout), the router weight
-// and the token's index on the owner. One warp per token. count_arrivals (the forward,
-// whose L1 runs beside this kernel): then counts each slot row into the owner's arrivals
-// of its 128-row block, after the token's stores are visible system-wide.
+// and the token's index on the owner. One warp per token.
 template <class Id>
-__global__ void __launch_bounds__(kDispatchThreads)
+__global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
                     const __grid_constant__ DeviceLayout layout,
                     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
@@ -325,7 +318,7 @@ __global__ void __launch_bounds__(kDispatchThreads)
                     const int32_t* __restrict__ expert_offsets,
                     const int32_t* __restrict__ send_base, const int32_t* __restrict__ token_pos,
                     const int32_t* __restrict__ token_count, const int32_t* __restrict__ skip,
-                    int64_t T, int32_t experts_per_rank, bool count_arrivals) {
+                    int64_t T, int32_t experts_per_rank) {
   const int world = peers.world_size, k = layout.topk, H = layout.hidden;
   if (*skip == 0) {
     if (blockIdx.x == 0 && threadIdx.x < world) {
@@ -333,9 +326,8 @@ __global__ void __launch_bounds__(kDispatchThreads)
           token_count[threadIdx.x];
     }
     const int lane = threadIdx.x % 32;
-    const int per_block = blockDim.x / 32;
-    const int64_t warps = int64_t(gridDim.x) * per_block;
-    for (int64_t t = blockIdx.x * per_block + threadIdx.x / 32; t < T; t += warps) {
+    const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+    for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
       int64_t id = -1, slot_owner = -1;
       int32_t r = -1;
       if (lane < k) {
@@ -371,15 +363,6 @@ __global__ void __launch_bounds__(kDispatchThreads)
           in<int32_t>(dst, layout.recv_slot_row)[i * k + lane] = row;
         }
         if (lane == 0) in<int32_t>(dst, layout.recv_token_source)[i] = static_cast<int32_t>(t);
-      }
-      if (count_arrivals) {
-        __syncwarp();  // every lane's stores of this token, then a fence, then the count
-        if (lane < k && slot_owner >= 0 && slot_owner < world) {
-          const int32_t row = send_base[id] + (r - expert_offsets[id]);
-          __threadfence_system();
-          atomicAdd_system(in<int32_t>(peers.buffers[slot_owner], layout.arrivals) +
-                               row / sm90::kGroupedGemmBlockM, 1);
-        }
       }
     }
   }
@@ -542,11 +525,6 @@ void check_group(const Group& g) {
 
 [[maybe_unused]] const bool kPreloadable = register_kernel_module(&phase_kernel);
 
-// Forward arrival counters: one per 128-row block of a rank's expert-sorted rows.
-int64_t arrival_blocks(const Group& g) {
-  return (g.max_recv_rows + sm90::kGroupedGemmBlockM - 1) / sm90::kGroupedGemmBlockM;
-}
-
 }  // namespace
 
 BufferLayout buffer_layout(const Group& g) {
@@ -566,7 +544,6 @@ BufferLayout buffer_layout(const Group& g) {
   b.recv_weight = c.take(R * 4);
   b.combine_rows = c.take(tokens * g.hidden * 2);
   b.combine_dp = c.take(g.max_tokens * k * 4);
-  b.arrivals = c.take(arrival_blocks(g) * 4);
   b.total = c.at;
   return b;
 }
@@ -595,10 +572,7 @@ struct Routed {
   DeviceLayout layout;
   int64_t e_local;
   int sms;
-  int copy_blocks;            // of the kernels that move rows between ranks (256 threads)
-  int overlap_sms;            // of the forward's dispatch beside L1
-  int32_t* send_base;         // [E] (layout_kernel)
-  int32_t* token_count;       // [W] (token_pos_kernel)
+  int copy_blocks;            // of the kernels that move rows between ranks
 };
 
 void check_call(const Group& g, int64_t T, int64_t I) {
@@ -610,9 +584,12 @@ void check_call(const Group& g, int64_t T, int64_t I) {
   if (I < 128 || I % 128) throw_invalid("intermediate: expected a positive multiple of 128");
 }
 
-// Steps 1-3: local plan, token plan, counts, layout.
-Routed route(const Group& g, const RouteWorkspace& w, void* workspace, const void* topk_ids,
-             bool ids_are_int64, int64_t T, cudaStream_t stream) {
+// Steps 1-4: local plan, counts, layout, dispatch (x rows; with dy, dy rows and weights),
+// and the dispatch phase.
+Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspace,
+                          const __nv_bfloat16* x, const __nv_bfloat16* dy, const void* topk_ids,
+                          bool ids_are_int64, const float* topk_weights, int64_t T,
+                          cudaStream_t stream) {
   // Everything this call launches behind the first peer wait must be loaded already
   // (kernel_preload.h says why).
   preload_kernels();
@@ -669,66 +646,20 @@ Routed route(const Group& g, const RouteWorkspace& w, void* workspace, const voi
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, device));
   r.copy_blocks = 2 * (g.comm_sms > 0 && g.comm_sms < r.sms ? g.comm_sms : r.sms);
-  const int overlap = g.comm_sms > 0 ? g.comm_sms : kDefaultOverlapSms;
-  r.overlap_sms = overlap < r.sms / 2 ? overlap : r.sms / 2;
-  r.send_base = send_base;
-  r.token_count = token_count;
-  return r;
-}
-
-// Step 4: the dispatch kernel on `stream` with `blocks` blocks of kDispatchThreads.
-void dispatch(const Group& g, const Routed& r, const __nv_bfloat16* x, const __nv_bfloat16* dy,
-              const void* topk_ids, bool ids_are_int64, const float* topk_weights, int64_t T,
-              int blocks, bool count_arrivals, cudaStream_t stream) {
-  const auto launch = [&](auto* ids) {
-    dispatch_kernel<<<blocks, kDispatchThreads, 0, stream>>>(
-        g.peers, r.layout, x, dy, ids, topk_weights, r.plan.slot_row, r.plan.expert_offsets,
-        r.send_base, r.token_pos, r.token_count, r.skip, T, static_cast<int32_t>(r.e_local),
-        count_arrivals);
+  const auto dispatch = [&](auto* ids) {
+    dispatch_kernel<<<r.copy_blocks, kCopyThreads, 0, stream>>>(
+        peers, r.layout, x, dy, ids, topk_weights, r.plan.slot_row, r.plan.expert_offsets,
+        send_base, r.token_pos, token_count, r.skip, T, static_cast<int32_t>(r.e_local));
   };
   if (ids_are_int64) {
-    launch(static_cast<const int64_t*>(topk_ids));
+    dispatch(static_cast<const int64_t*>(topk_ids));
   } else {
-    launch(static_cast<const int32_t*>(topk_ids));
+    dispatch(static_cast<const int32_t*>(topk_ids));
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-void dispatch_phase(const Group& g, const Routed& r, cudaStream_t stream) {
-  phase_kernel<<<1, 32, 0, stream>>>(g.peers, comm::Phase::kDispatch, g.timeout_ns, r.error);
+  phase_kernel<<<1, 32, 0, stream>>>(peers, comm::Phase::kDispatch, g.timeout_ns, r.error);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-// A second stream per device for the forward's dispatch beside L1, and the events that fork
-// it from the caller's stream and join it back (both captured by a CUDA graph). One EP call
-// at a time per device, as the group's buffer already implies.
-struct SideStream {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-};
-
-const SideStream& side_stream() {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mutex;
-  static SideStream streams[kMaxDevices];
-  int device = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= kMaxDevices) throw_invalid("EP: CUDA device index out of range");
-  const std::lock_guard<std::mutex> lock(mutex);
-  SideStream& s = streams[device];
-  if (s.stream == nullptr) {
-    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
-    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
-  }
-  return s;
-}
-
-__global__ void zero_kernel(int32_t* p, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    p[i] = 0;
-  }
+  return r;
 }
 
 // Step 6's sends (rows: this rank's expert-sorted results).
@@ -795,25 +726,14 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   if (workspace == nullptr || workspace_size < w.total) {
     throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
   }
-  // Made (once per device) before this call's first kernel: creating a stream must not wait
-  // behind a kernel that spins on a peer.
-  const SideStream& side = side_stream();
-  const Routed r = route(g, w.route, workspace, topk_ids, ids_are_int64, T, stream);
+  const Routed r = route_and_dispatch(g, w.route, workspace, x, nullptr, topk_ids, ids_are_int64,
+                                      topk_weights, T, stream);
   char* own = g.peers.buffers[g.peers.rank];
   const int64_t H = g.hidden;
-
-  // The dispatch runs on a side stream and overlap_sms SMs while L1 runs on the others:
-  // each L1 tile waits for the arrival counts of its rows' 128-row blocks.
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
-  dispatch(g, r, x, nullptr, topk_ids, ids_are_int64, topk_weights, T, r.overlap_sms, true,
-           side.stream);
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
 
   // The one-GPU GEMMs on the received rows, A gathered from the received tokens.
   auto* activation = at<__nv_bfloat16>(workspace, w.activation);
   auto* out_rows = at<__nv_bfloat16>(workspace, w.out_rows);
-  auto* arrivals = reinterpret_cast<int32_t*>(own + r.buffer.arrivals);
   sm90::GroupedGemmArgs l1 =
       received_rows(g, r, reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_x));
   l1.b = w_gate_up;
@@ -822,11 +742,6 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   l1.c = activation;
   l1.ldc = I;
   l1.h_out = saved_h;  // saved mode: h = [gate | up] of every received row, for the backward
-  l1.arrivals = arrivals;
-  l1.arrival_error = r.error;
-  l1.arrival_error_code = (int(comm::Phase::kRows) + 1) << 8 | g.peers.rank;
-  l1.arrival_timeout_ns = g.timeout_ns;
-  l1.max_blocks = r.sms - r.overlap_sms;
   sm90::grouped_gemm_swiglu(l1, I, stream);
   sm90::GroupedGemmArgs l2 = received_rows(g, r);
   l2.a = activation;
@@ -837,12 +752,6 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   l2.ldc = H;
   sm90::grouped_gemm(l2, stream);
 
-  // Every rank's dispatch done (the metadata the combine reads), then the counters go back
-  // to 0: no peer can count into them again before the next call's counts exchange.
-  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
-  dispatch_phase(g, r, stream);
-  zero_kernel<<<1, 1024, 0, stream>>>(arrivals, arrival_blocks(g));
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
   send_back(g, r, out_rows, reinterpret_cast<const float*>(own + r.buffer.recv_weight), nullptr,
             stream);
   combine_phase(g, r, stream);
@@ -864,10 +773,8 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   if (workspace == nullptr || workspace_size < w.total) {
     throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
   }
-  Routed r = route(g, w.route, workspace, topk_ids, ids_are_int64, T, stream);
-  dispatch(g, r, x, dy, topk_ids, ids_are_int64, topk_weights, T, r.copy_blocks / 2, false,
-           stream);
-  dispatch_phase(g, r, stream);
+  Routed r = route_and_dispatch(g, w.route, workspace, x, dy, topk_ids, ids_are_int64,
+                                topk_weights, T, stream);
   char* own = g.peers.buffers[g.peers.rank];
   const int64_t H = g.hidden, R = g.max_recv_rows, E_local = r.e_local;
   const int64_t P = padded_rows_bound(R, E_local);
