@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "megamoe/megamoe.h"
+#include "test_util.h"
 
 // Fails the test, and returns from the calling function, unless a CUDA call succeeds.
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
@@ -38,6 +39,18 @@ inline double bf16_value(uint16_t bits) {
   float f;
   std::memcpy(&f, &w, 4);
   return f;
+}
+
+// Rounds a tensor's values to bf16 in place and returns the bf16 bits.
+inline std::vector<uint16_t> round_to_bf16(Tensor& t) {
+  std::vector<double> v = t.values();
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    bits[i] = bf16_bits(v[i]);
+    v[i] = bf16_value(bits[i]);
+  }
+  t.assign(v);
+  return bits;
 }
 
 // Fresh inputs every run; callers print the seed with SEEDED so a failure can be replayed.

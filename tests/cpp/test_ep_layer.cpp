@@ -22,6 +22,7 @@ using megamoe_test::Dims;
 using megamoe_test::bf16_bits;
 using megamoe_test::bf16_value;
 using megamoe_test::dense_tensor;
+using megamoe_test::round_to_bf16;
 
 std::vector<double> decode(const std::vector<uint16_t>& bits) {
   std::vector<double> v(bits.size());
@@ -29,16 +30,6 @@ std::vector<double> decode(const std::vector<uint16_t>& bits) {
   return v;
 }
 constexpr double kEpVsOneGpu = 5e-3;  // y and dx: one bf16 rounding per owner's partial sum
-std::vector<uint16_t> round_to_bf16(megamoe_test::Tensor& t) {
-  std::vector<double> v = t.values();
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    bits[i] = bf16_bits(v[i]);
-    v[i] = bf16_value(bits[i]);
-  }
-  t.assign(v);
-  return bits;
-}
 enum class Routing { kRandom, kAllOnLastRank };
 
 class EpLayerGpu : public megamoe_test::MultiGpuTest {

@@ -18,19 +18,9 @@ using megamoe_test::GpuTest;
 using megamoe_test::bf16_bits;
 using megamoe_test::bf16_value;
 using megamoe_test::dense_tensor;
+using megamoe_test::round_to_bf16;
 
 
-// Rounds a tensor's values to bf16 in place and returns the bf16 bits.
-std::vector<uint16_t> round_to_bf16(megamoe_test::Tensor& t) {
-  std::vector<double> v = t.values();
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    bits[i] = bf16_bits(v[i]);
-    v[i] = bf16_value(bits[i]);
-  }
-  t.assign(v);
-  return bits;
-}
 
 enum class Mode { kRecompute, kSaved };
 enum class WeightGrads { kBf16, kAccumulateF32 };
