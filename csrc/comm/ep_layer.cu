@@ -6,6 +6,7 @@
 #include "comm/peer_sync.cuh"
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/bf16_row.cuh"
 #include "kernels/common/gather_padded.h"
 #include "kernels/common/routing_plan.h"
 #include "kernels/common/slot_reduce.h"
@@ -412,20 +413,9 @@ __global__ void __launch_bounds__(kCopyThreads)
           if (!used) w[b] = 0.f;
         }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[b]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = __bfloat1622float2(h[e]);
-            acc[2 * e] += w[b] * f.x;
-            acc[2 * e + 1] += w[b] * f.y;
-          }
-        }
+        for (int b = 0; b < kBatch; ++b) fma_row(acc, w[b], v[b]);
       }
-      uint4 packed;
-      auto* o = reinterpret_cast<__nv_bfloat162*>(&packed);
-      for (int e = 0; e < 4; ++e) o[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-      *reinterpret_cast<uint4*>(out + c) = packed;
+      *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
     }
     if (dp_rows != nullptr && my_row >= 0) in<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[my_row];
   }
@@ -451,19 +441,10 @@ __global__ void __launch_bounds__(kCopyThreads)
       float acc[8] = {};
       for (int d = 0; d < world; ++d) {
         if (token_pos[t * world + d] < 0) continue;
-        const uint4 v = *reinterpret_cast<const uint4*>(
-            partial + (int64_t(d) * layout.max_tokens + t) * H + c);
-        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(b[e]);
-          acc[2 * e] += f.x;
-          acc[2 * e + 1] += f.y;
-        }
+        fma_row(acc, 1.f, *reinterpret_cast<const uint4*>(
+                               partial + (int64_t(d) * layout.max_tokens + t) * H + c));
       }
-      uint4 packed;
-      auto* o = reinterpret_cast<__nv_bfloat162*>(&packed);
-      for (int e = 0; e < 4; ++e) o[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-      *reinterpret_cast<uint4*>(out + t * H + c) = packed;
+      *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
     }
     if (d_topk_weights != nullptr && lane < k) {
       const int64_t s = t * k + lane;

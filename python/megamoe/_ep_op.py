@@ -12,6 +12,10 @@ from torch import Tensor
 
 from . import _lib
 from . import buffer as _buffer
+from ._fused_op import grad_outputs, grad_targets, keeps_h
+
+# The EP backward is collective and computes every gradient (an accumulator takes a weight's).
+_ALL = [True, True, True, True]
 
 
 def _workspace(size: int, device) -> tuple[Tensor, int]:
@@ -66,13 +70,6 @@ def _(x, topk_ids, topk_weights, w_gate_up, w_down, buffer_id, save_h, acc_gate_
     return torch.empty_like(x), h
 
 
-def _grad_outputs(x, topk_ids, w_gate_up, w_down, acc_gate_up, acc_down) -> list[Tensor]:
-    T, k = topk_ids.shape
-    return [torch.empty_like(x), x.new_empty((T, k), dtype=torch.float32),
-            torch.empty_like(w_gate_up) if acc_gate_up is None else x.new_empty((0,)),
-            torch.empty_like(w_down) if acc_down is None else x.new_empty((0,))]
-
-
 @torch.library.custom_op("megamoe::fused_ep_backward", mutates_args=("acc_gate_up", "acc_down"))
 def fused_ep_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
                       w_gate_up: Tensor, w_down: Tensor, saved_h: Tensor, buffer_id: int,
@@ -84,9 +81,8 @@ def fused_ep_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Ten
     buf = _buffer.get(buffer_id)
     T = topk_ids.shape[0]
     h_saved = saved_h.numel() > 0
-    grads = _grad_outputs(x, topk_ids, w_gate_up, w_down, acc_gate_up, acc_down)
-    targets = grads[:2] + [acc if acc is not None else g
-                           for acc, g in ((acc_gate_up, grads[2]), (acc_down, grads[3]))]
+    grads = grad_outputs(x, topk_ids, w_gate_up, w_down, _ALL, acc_gate_up, acc_down)
+    targets = grad_targets(grads, acc_gate_up, acc_down)
     with torch.cuda.device(x.device):
         workspace, nbytes = _backward_workspace(buf, T, w_gate_up.shape[1] // 2, h_saved,
                                                 x.device)
@@ -101,7 +97,7 @@ def fused_ep_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Ten
 @fused_ep_backward.register_fake
 def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, buffer_id, acc_gate_up,
       acc_down):
-    return tuple(_grad_outputs(x, topk_ids, w_gate_up, w_down, acc_gate_up, acc_down))
+    return tuple(grad_outputs(x, topk_ids, w_gate_up, w_down, _ALL, acc_gate_up, acc_down))
 
 
 def _setup_context(ctx, inputs, output):
@@ -138,8 +134,7 @@ def fused_ep_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: T
                  weight_grad_accumulators=None) -> Tensor:
     """The fused layer over an EP group's megamoe.Buffer, differentiable; h is kept only in
     the "saved" mode and only when a backward can follow."""
-    save_h = backward_mode == "saved" and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
+    save_h = keeps_h(backward_mode, x, topk_weights, w_gate_up, w_down)
     acc_gate_up, acc_down = weight_grad_accumulators or (None, None)
     y, _ = fused_ep_forward(x, topk_ids, topk_weights, w_gate_up, w_down, buffer.id, save_h,
                             acc_gate_up, acc_down)

@@ -78,7 +78,7 @@ def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h, acc_gate_up, acc_dow
     return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
 
 
-def _grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down) -> list[Tensor]:
+def grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down) -> list[Tensor]:
     """The backward op's outputs: a tensor for each gradient that is needed and not added
     into an accumulator, an empty one (of the gradient's dtype) for the others."""
     T, k = topk_ids.shape
@@ -88,6 +88,20 @@ def _grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down) 
             (w_down.shape, w_down.dtype)]
     return [x.new_empty(shape if w else (0,), dtype=dtype)
             for (shape, dtype), w in zip(like, written)]
+
+
+def grad_targets(grads: list[Tensor], acc_gate_up: Optional[Tensor],
+                 acc_down: Optional[Tensor]) -> list[Tensor]:
+    """Where each gradient goes: its own output, or its fp32 accumulator."""
+    return grads[:2] + [acc if acc is not None else g
+                        for acc, g in ((acc_gate_up, grads[2]), (acc_down, grads[3]))]
+
+
+def keeps_h(backward_mode: str, x: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
+            w_down: Tensor) -> bool:
+    """The "saved" mode keeps h only when a backward can follow."""
+    return backward_mode == "saved" and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
 
 
 @torch.library.custom_op("megamoe::fused_moe_backward", mutates_args=("acc_gate_up", "acc_down"))
@@ -101,10 +115,8 @@ def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Te
     instead (and comes back empty)."""
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
     h_saved = saved_h.numel() > 0
-    grads = _grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down)
-    # Where each gradient goes: its own output, or its accumulator.
-    targets = grads[:2] + [acc if acc is not None else g
-                           for acc, g in ((acc_gate_up, grads[2]), (acc_down, grads[3]))]
+    grads = grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down)
+    targets = grad_targets(grads, acc_gate_up, acc_down)
     needs = [needs[0], needs[1], needs[2] or acc_gate_up is not None,
              needs[3] or acc_down is not None]
     with torch.cuda.device(x.device):
@@ -120,7 +132,7 @@ def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Te
 
 @fused_moe_backward.register_fake
 def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs, acc_gate_up, acc_down):
-    return tuple(_grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down))
+    return tuple(grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down))
 
 
 def _setup_context(ctx, inputs, output):
@@ -154,8 +166,7 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tens
               weight_grad_accumulators: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The fused layer on one GPU, differentiable; h is kept only in the "saved" mode and
     only when a backward can follow."""
-    save_h = backward_mode == "saved" and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
+    save_h = keeps_h(backward_mode, x, topk_weights, w_gate_up, w_down)
     acc_gate_up, acc_down = weight_grad_accumulators or (None, None)
     y, _ = fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h,
                              acc_gate_up, acc_down)

@@ -57,6 +57,14 @@ def local_slice(p, rank, world, T, E):
     return {n: t.contiguous() for n, t in out.items()}
 
 
+def float64_reference(p):
+    """y and the gradients of the whole problem from the float64 reference."""
+    args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
+    ref = {"y": reference.forward(*args)}
+    ref.update(zip(NAMES, reference.backward(p["dy"], *args)))
+    return ref
+
+
 def gather(t, world, group):
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t.contiguous(), group=group)
@@ -75,9 +83,7 @@ def run_case(case, rank, world, group, backend, seed, device):
     if rank == 0:
         y1, grads1 = run_with_grads(megamoe.moe, p, backend=backend)
         ep1 = {"y": y1, **grads1}
-        args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
-        ref = {"y": reference.forward(*args)}
-        ref.update(zip(NAMES, reference.backward(p["dy"], *args)))
+        ref = float64_reference(p)
         for n in ref:
             result[f"{n}_ep_vs_ref"] = rel_err(ep[n], ref[n])
             result[f"{n}_ep1_vs_ref"] = rel_err(ep1[n], ref[n])
@@ -175,9 +181,7 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
     if rank == 0:
         y1, grads1 = run_with_grads(megamoe.moe, p, backend="fused")
         ep1 = {"y": y1, **grads1}
-        args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
-        ref = {"y": reference.forward(*args)}
-        ref.update(zip(NAMES, reference.backward(p["dy"], *args)))
+        ref = float64_reference(p)
         for n in ref:
             result[f"{n}_ep_vs_ref"] = rel_err(out[n], ref[n])
             result[f"{n}_ep_vs_ep1"] = rel_err(out[n], ep1[n])

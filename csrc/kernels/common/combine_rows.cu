@@ -14,6 +14,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/bf16_row.cuh"
 #include "kernels/common/kernel_preload.h"
 
 namespace megamoe {
@@ -53,16 +54,6 @@ void check_hidden(const char* function, int64_t H) {
   if (H < 8 || H % 8 != 0) {
     throw_invalid(std::string(function) + ": H: expected a positive multiple of 8, got " +
                   std::to_string(H));
-  }
-}
-
-__device__ __forceinline__ void fma_row(float (&acc)[8], float w, const uint4& v) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    acc[2 * i] = __fmaf_rn(w, f.x, acc[2 * i]);
-    acc[2 * i + 1] = __fmaf_rn(w, f.y, acc[2 * i + 1]);
   }
 }
 
@@ -107,11 +98,7 @@ __global__ void __launch_bounds__(kThreads)
           if (row[u] >= 0) fma_row(acc, w[u], val[u]);
         }
       }
-      uint4 out;
-      auto* h = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      y[t * vecs + v] = out;
+      y[t * vecs + v] = pack_row(acc);
     }
   }
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/driver_entry.h"
 #include "core/error.h"
 
 namespace megamoe {
@@ -19,35 +20,22 @@ std::vector<const void*>& registered() {  // built during static initialisation
   return kernels;
 }
 
-// The driver calls, found through the runtime so the library does not link libcuda.
+// The driver calls (found once; a failed lookup is retried by the next call).
 struct Driver {
-  CUresult (*kernel_get_library)(CUlibrary*, CUkernel) = nullptr;
-  CUresult (*library_kernel_count)(unsigned*, CUlibrary) = nullptr;
-  CUresult (*library_kernels)(CUkernel*, unsigned, CUlibrary) = nullptr;
-  CUresult (*kernel_get_function)(CUfunction*, CUkernel) = nullptr;
+  CUresult (*kernel_get_library)(CUlibrary*, CUkernel);
+  CUresult (*library_kernel_count)(unsigned*, CUlibrary);
+  CUresult (*library_kernels)(CUkernel*, unsigned, CUlibrary);
+  CUresult (*kernel_get_function)(CUfunction*, CUkernel);
 };
 
-template <class Fn>
-void find(const char* name, Fn*& fn) {
-  cudaDriverEntryPointQueryResult found{};
-  void* ptr = nullptr;
-  MEGAMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion(name, &ptr, 12050, cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess || ptr == nullptr) {
-    throw Error(MEGAMOE_ERROR_CUDA, std::string("the CUDA driver has no ") + name +
-                                        " (needs a CUDA 12.5 or newer driver)");
-  }
-  fn = reinterpret_cast<Fn*>(ptr);
-}
-
 const Driver& driver() {
-  static Driver d;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    find("cuKernelGetLibrary", d.kernel_get_library);
-    find("cuLibraryGetKernelCount", d.library_kernel_count);
-    find("cuLibraryEnumerateKernels", d.library_kernels);
-    find("cuKernelGetFunction", d.kernel_get_function);
-  });
+  constexpr int kVersion = 12050;  // cuKernelGetLibrary came with CUDA 12.5
+  static const Driver d{
+      driver_function<CUresult(CUlibrary*, CUkernel)>("cuKernelGetLibrary", kVersion),
+      driver_function<CUresult(unsigned*, CUlibrary)>("cuLibraryGetKernelCount", kVersion),
+      driver_function<CUresult(CUkernel*, unsigned, CUlibrary)>("cuLibraryEnumerateKernels",
+                                                                kVersion),
+      driver_function<CUresult(CUfunction*, CUkernel)>("cuKernelGetFunction", kVersion)};
   return d;
 }
 

@@ -3,11 +3,11 @@
 
 #include <cudaTypedefs.h>
 
-#include <mutex>
 #include <string>
 #include <type_traits>
 
 #include "core/cuda_check.h"
+#include "core/driver_entry.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
 #include "kernels/sm90/grouped_gemm.cuh"
@@ -17,25 +17,11 @@ namespace {
 
 static_assert(kGroupedGemmBlockM == kBlockM);
 
-// The driver's tensor-map encoder, found through the runtime so the library does not link
-// libcuda itself.
+// The driver's tensor-map encoder (found once; a failed lookup is retried by the next call).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  static cudaError_t err = cudaSuccess;
-  std::call_once(once, [] {
-    cudaDriverEntryPointQueryResult found{};
-    void* ptr = nullptr;
-    err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                           cudaEnableDefault, &found);
-    if (err == cudaSuccess && found == cudaDriverEntryPointSuccess) {
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-    }
-  });
-  MEGAMOE_CUDA_CHECK(err);
-  if (fn == nullptr) {
-    throw Error(MEGAMOE_ERROR_CUDA, "the CUDA driver has no cuTensorMapEncodeTiled");
-  }
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn =
+      driver_function<std::remove_pointer_t<PFN_cuTensorMapEncodeTiled_v12000>>(
+          "cuTensorMapEncodeTiled", 12000);
   return fn;
 }
 
