@@ -85,6 +85,11 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
              backward->a_out != nullptr) {
     map_h = make_tensor_map(backward->a_out, a.c_rows > 0 ? a.c_rows : a.a_rows, half_n, 64);
   }
+  // kSwiGLUBackward: h [rows, 2I] read by the epilogue in 64 x 64 boxes.
+  const CUtensorMap map_h_in =
+      kEpilogue == Epilogue::kSwiGLUBackward && backward != nullptr
+          ? make_tensor_map(backward->h, a.a_rows, 2 * half_n, 64)
+          : CUtensorMap{};
   GroupedGemmParams p{};
   p.expert_offsets = a.expert_offsets;
   p.tile_offsets = a.tile_offsets;
@@ -123,7 +128,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA, kBMajorN>;
   MEGAMOE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, map_h, p);
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, map_h, map_h_in, p);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -224,7 +229,7 @@ void grouped_gemm_wgrad(const WgradArgs& w, cudaStream_t stream) {
     auto* kernel = &grouped_gemm_kernel<Epilogue::kStore, kBlockN, false, true, true>;
     MEGAMOE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, CUtensorMap{}, p);
+    kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, CUtensorMap{}, CUtensorMap{}, p);
     MEGAMOE_CUDA_CHECK(cudaGetLastError());
   };
   w.n % 256 == 0 ? run(std::integral_constant<int, 256>{}) : run(std::integral_constant<int, 128>{});

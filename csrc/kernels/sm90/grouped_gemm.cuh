@@ -82,8 +82,13 @@ struct TileConfig {
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   // Each consumer warpgroup stages its 64 output rows for the TMA store.
   static constexpr int kStagingBytes = 64 * kOutCols * 2;
+  // kSwiGLUBackward (256 wide): one 64-column quarter of the slab's h = [gate | up] comes in
+  // by TMA, the gate box into the staging buffer's free last quarter (its outputs fill three
+  // 64 x 64 boxes), the up box here.
+  static constexpr bool kHByTma = kEpilogue == Epilogue::kSwiGLUBackward && kBlockN == 256;
+  static constexpr int kHUpBytes = kHByTma ? 64 * 64 * 2 : 0;
   static constexpr int kStages =
-      (kSharedBudget - 2 * kStagingBytes) / (kTileBytesA + kTileBytesB);
+      (kSharedBudget - 2 * kStagingBytes - 2 * kHUpBytes) / (kTileBytesA + kTileBytesB);
   static constexpr int kAccumulators = kBlockN / 2;  // per consumer thread (m64nNk16)
 };
 
@@ -93,8 +98,10 @@ struct alignas(1024) GemmSharedStorage {
   __nv_bfloat16 a[Config::kStages][kBlockM * kBlockK];
   __nv_bfloat16 b[Config::kStages][kBlockN * kBlockK];
   uint8_t staging[2][Config::kStagingBytes];
+  uint8_t h_up[2][Config::kHByTma ? Config::kHUpBytes : 16];
   uint64_t full[Config::kStages];
   uint64_t empty[Config::kStages];
+  uint64_t h_full[2];  // kHByTma: a quarter of h has landed (per consumer warpgroup)
 };
 
 // The tile's expert, first (unpadded) row, number of valid rows and N-tile index; the
@@ -394,60 +401,84 @@ __device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmPara
   store_dp_partials(p, t, partial, slab);
 }
 
+// Loads quarter `quarter` (64 columns) of the slab's h = [gate | up] by TMA: the gate box
+// into the staging buffer's last 64 x 64 box, the up box into h_up. One thread.
+template <int kBlockN>
+__device__ __forceinline__ void load_h_quarter(const CUtensorMap& map_h_in,
+                                               const GroupedGemmParams& p, const TileCoords& t,
+                                               int warpgroup, int quarter, uint8_t* staging,
+                                               uint8_t* h_up, uint64_t* bar) {
+  constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
+  const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
+  const int row = t.row0 + warpgroup * 64;
+  mbarrier_arrive_expect_tx(bar, 2 * kBoxBytes);
+  tma_load_2d(staging + 3 * kBoxBytes, &map_h_in, bar, col, row);
+  tma_load_2d(h_up, &map_h_in, bar, p.half_n + col, row);
+}
+
 // The same for the padded layout (every slab row is the expert's or a pad row) with
 // 256-wide tiles: per 64-column quarter, dg, du and a of the slab go into three 64 x 64
 // boxes of the staging buffer and leave by TMA stores, which drain while the next quarter
 // is computed. (Register stores of 4 bytes per value made this epilogue cost about as much
-// as the tile's MMAs.)
+// as the tile's MMAs.) The quarter's h arrives by TMA (load_h_quarter): quarter 0 was
+// requested before the tile's MMAs, quarter q + 1 as soon as every thread has read quarter
+// q. (With h loaded into registers a quarter's row at a time, ncu found the tensor pipe
+// 47% busy and half of the warps' stall cycles waiting on those loads; this gained 4-7%.)
 template <int kBlockN>
 __device__ __forceinline__ void store_slab_swiglu_backward_tma(
-    const CUtensorMap& map_dh, const CUtensorMap& map_a, const GroupedGemmParams& p,
-    const TileCoords& t, const float (&acc)[kBlockN / 2], int warpgroup, uint8_t* staging) {
+    const CUtensorMap& map_dh, const CUtensorMap& map_a, const CUtensorMap& map_h_in,
+    const GroupedGemmParams& p, const TileCoords& t, const float (&acc)[kBlockN / 2],
+    int warpgroup, uint8_t* staging, uint8_t* h_up, uint64_t* h_bar, uint32_t& h_phase) {
   constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
   constexpr int kQuarters = kBlockN / kStoreBoxCols;
   constexpr int kChunksPerBox = kStoreBoxCols / 8;
-  static_assert(3 * kBoxBytes <= TileConfig<Epilogue::kSwiGLUBackward, kBlockN>::kStagingBytes);
+  static_assert(4 * kBoxBytes <= TileConfig<Epilogue::kSwiGLUBackward, kBlockN>::kStagingBytes);
   const int thread = threadIdx.x % 128;
   const bool leader = thread == 0;
   const int slab = warpgroup * 64;
-  const int64_t ld = 2 * int64_t(p.half_n);
   const int pair = (thread % 4) * 2;  // this thread's first column within each 8-column chunk
+  const uint8_t* h_gate = staging + 3 * kBoxBytes;
   float partial[2] = {0.f, 0.f};
   bool valid[2];
   float weight[2];
-  const unsigned* h_gate[2];  // the up values are half_n / 2 words further
-  const int up_words = p.half_n / 2;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
     valid[half] = slab + r < t.rows;
     const int64_t row = valid[half] ? t.row0 + slab + r : 0;
     weight[half] = valid[half] ? __ldg(&p.slot_weights[__ldg(&p.row_slot[row])]) : 0.f;
-    h_gate[half] = reinterpret_cast<const unsigned*>(p.h + row * ld + t.n_tile * kBlockN + pair);
   }
 #pragma unroll
   for (int quarter = 0; quarter < kQuarters; ++quarter) {
+    mbarrier_wait(h_bar, h_phase);
+    h_phase ^= 1;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // One row's h values of the quarter, all loads issued before any is used. (Both rows'
-      // at once need 16 more registers than the consumers have.)
+      const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
+      // The row's h values of the quarter from the swizzled boxes (rows past the expert's
+      // end hold the next rows of h: read as zeros).
       unsigned g_bits[kChunksPerBox], u_bits[kChunksPerBox];
 #pragma unroll
-      for (int i = 0; i < kChunksPerBox; ++i) {  // 8 bf16 columns = 4 words apart
-        const int word = (quarter * kChunksPerBox + i) * 4;
-        g_bits[i] = valid[half] ? __ldg(h_gate[half] + word) : 0u;
-        u_bits[i] = valid[half] ? __ldg(h_gate[half] + up_words + word) : 0u;
+      for (int i = 0; i < kChunksPerBox; ++i) {
+        const int at = r * 128 + ((i ^ (r % 8)) * 16) + pair * 2;
+        g_bits[i] = valid[half] ? *reinterpret_cast<const unsigned*>(h_gate + at) : 0u;
+        u_bits[i] = valid[half] ? *reinterpret_cast<const unsigned*>(h_up + at) : 0u;
       }
       if (half == 0) {
         if (leader) bulk_wait_group_read_all();  // the last quarter's stores have read staging
         named_barrier_sync(1 + warpgroup, 128);
+      } else {
+        // Every thread has this quarter's h in registers: request the next quarter.
+        named_barrier_sync(1 + warpgroup, 128);
+        if (leader && quarter + 1 < kQuarters) {
+          load_h_quarter<kBlockN>(map_h_in, p, t, warpgroup, quarter + 1, staging, h_up, h_bar);
+        }
       }
-      const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
 #pragma unroll
       for (int i = 0; i < kChunksPerBox; ++i) {
         const int q = quarter * kChunksPerBox + i;
-        // Pad rows: z may be anything (their A rows were never copied); h reads gave
-        // zeros, so with z = 0 too, dg = du = a = 0.
+        // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
+        // h = 0, dg = du = a = 0.
         const float z[2] = {valid[half] ? acc[q * 4 + half * 2] : 0.f,
                             valid[half] ? acc[q * 4 + half * 2 + 1] : 0.f};
         const SwiGLUGradPair out =
@@ -594,7 +625,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_c,
                         // kSwiGLU: the saved h; kSwiGLUBackward: a_out.
-                        const __grid_constant__ CUtensorMap map_h, GroupedGemmParams p) {
+                        const __grid_constant__ CUtensorMap map_h,
+                        // kSwiGLUBackward: h read in 64 x 64 boxes.
+                        const __grid_constant__ CUtensorMap map_h_in, GroupedGemmParams p) {
   using Config = TileConfig<kEpilogue, kBlockN>;
   constexpr int kStages = Config::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -608,6 +641,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbarrier_init(&smem.full[s], kGatherA ? 1 + 128 : 1);
       mbarrier_init(&smem.empty[s], 2);  // one arrival per consumer warpgroup
     }
+    for (int w = 0; w < 2; ++w) mbarrier_init(&smem.h_full[w], 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -634,8 +668,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[Config::kAccumulators];
   int stage = 0;
   uint32_t phase = 0;
+  uint32_t h_phase = 0;  // kHByTma: parity of this warpgroup's next h quarter
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoords t = locate<kWgrad>(p, tile);
+    if constexpr (Config::kHByTma) {
+      // The epilogue's first quarter of h, fetched under this tile's MMAs (the buffers were
+      // released by the last tile's epilogue, whose final barrier every thread has passed).
+      if (p.c_padded && releases) {
+        load_h_quarter<kBlockN>(map_h_in, p, t, consumer, 0, smem.staging[consumer],
+                                smem.h_up[consumer], &smem.h_full[consumer]);
+      }
+    }
     int previous = -1;
     if (t.k_blocks == 0) {  // an expert without tokens: its weight gradient is zero
 #pragma unroll
@@ -689,8 +732,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       bool staged = false;
       if constexpr (kBlockN == 256) {  // 128-wide tiles' staging holds two boxes, not three
         if (p.c_padded) {
-          store_slab_swiglu_backward_tma<kBlockN>(map_c, map_h, p, t, acc, consumer,
-                                                  smem.staging[consumer]);
+          store_slab_swiglu_backward_tma<kBlockN>(map_c, map_h, map_h_in, p, t, acc, consumer,
+                                                  smem.staging[consumer], smem.h_up[consumer],
+                                                  &smem.h_full[consumer], h_phase);
           staged = true;
         }
       }
