@@ -14,7 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 from megamoe.presets import get_preset
-from megamoe.routing import make_routing
+
+from layer_inputs import layer_inputs
 
 
 def main():
@@ -38,22 +39,12 @@ def main():
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
         rank, experts = dist.get_rank(), shape.E // args.ep
-        extra = {"group": dist.group.WORLD}
+        extra["group"] = dist.group.WORLD
         if args.backend == "fused":
             extra["buffer"] = megamoe.Buffer(dist.group.WORLD, args.tokens, shape.H, shape.I,
                                              shape.E, shape.k)
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randn(args.tokens, shape.H, device="cuda", dtype=torch.bfloat16, generator=g)
-    w_gate_up = torch.randn(experts, 2 * shape.I, shape.H, device="cuda", dtype=torch.bfloat16,
-                            generator=g) * shape.H ** -0.5
-    w_down = torch.randn(experts, shape.H, shape.I, device="cuda", dtype=torch.bfloat16,
-                         generator=g) * shape.I ** -0.5
-    ids, weights = make_routing(args.tokens, shape.E, shape.k, "random", device="cuda", generator=g)
-
-    dy = torch.randn_like(x)
-    if args.backward:
-        for t in (x, weights, w_gate_up, w_down):
-            t.requires_grad_(True)
+    x, ids, weights, w_gate_up, w_down, dy = layer_inputs(shape, args.tokens, experts, seed=rank,
+                                                          requires_grad=args.backward)
 
     def forward():
         with torch.set_grad_enabled(args.backward):
