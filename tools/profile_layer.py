@@ -28,6 +28,8 @@ def main():
     parser.add_argument("--backward-mode", default="recompute", help="the fused backend's")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel ranks (run under torchrun --nproc-per-node EP)")
+    parser.add_argument("--num-comm-sms", type=int, default=None,
+                        help="with --ep: the Buffer's num_comm_sms (SMs of the copy kernels)")
     args = parser.parse_args()
     shape = get_preset(args.model)
     extra = {"backward_mode": args.backward_mode} if args.backend == "fused" else {}
@@ -42,7 +44,7 @@ def main():
         extra["group"] = dist.group.WORLD
         if args.backend == "fused":
             extra["buffer"] = megamoe.Buffer(dist.group.WORLD, args.tokens, shape.H, shape.I,
-                                             shape.E, shape.k)
+                                             shape.E, shape.k, num_comm_sms=args.num_comm_sms)
     x, ids, weights, w_gate_up, w_down, dy = layer_inputs(shape, args.tokens, experts, seed=rank,
                                                           requires_grad=args.backward)
 

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="bf16", help="passed to megamoe.moe (default bf16)")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel ranks; >1 must run under torchrun --nproc-per-node N")
+    parser.add_argument("--num-comm-sms", type=int, default=None,
+                        help="fused backend with --ep > 1: the Buffer's num_comm_sms, SMs of the "
+                             "kernels that move rows between ranks (default: the library's)")
     parser.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     parser.add_argument("--input-sets", type=int, default=3,
@@ -150,6 +153,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                                    ("--input-sets", args.input_sets, 1), ("--ep", args.ep, 1)):
         if value < minimum:
             parser.error(f"{option} must be >= {minimum}, got {value}")
+    if args.num_comm_sms is not None and args.num_comm_sms < 1:
+        parser.error(f"--num-comm-sms must be >= 1, got {args.num_comm_sms}")
     for shape in args.shapes:
         if shape.E % args.ep:
             parser.error(f"--ep {args.ep}: model {shape.name} has E={shape.E} experts, "
@@ -342,7 +347,8 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
         # The fused expert-parallel layer runs over the group's communication buffer.
         T = input_sets[0].x.shape[0]
         buffer = megamoe.Buffer(run.group, T, w_gate_up.shape[2], w_gate_up.shape[1] // 2,
-                                w_gate_up.shape[0] * run.world_size, input_sets[0].topk_ids.shape[1])
+                                w_gate_up.shape[0] * run.world_size, input_sets[0].topk_ids.shape[1],
+                                num_comm_sms=args.num_comm_sms)
         extra["buffer"] = buffer
 
     def call(inputs: InputSet):
@@ -530,6 +536,7 @@ def describe_run(args, run: RunContext, argv: list[str], peak_tflops) -> dict:
         "settings": {
             "backends": args.backends, "models": args.model, "tokens_per_rank": args.tokens,
             "routing": args.routing, "precision": args.precision, "ep": args.ep,
+            "num_comm_sms": args.num_comm_sms,
             "fused_backward_modes": args.fused_backward_modes,
             "iters": args.iters, "warmup": args.warmup, "input_sets": args.input_sets,
             "seed": args.seed, "check_ids": False,
