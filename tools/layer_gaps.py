@@ -65,13 +65,10 @@ def kernel_gaps(args, tensors):
                      key=lambda e: e["ts"])
     busy = sum(e["dur"] for e in kernels)
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
-    gaps = []
+    by_pair = {}  # (kernel, next kernel) -> the idle times between them
     for a, b in zip(kernels, kernels[1:]):
-        gap = b["ts"] - (a["ts"] + a["dur"])
-        gaps.append((gap, a["name"][:70], b["name"][:70]))
-    by_pair = {}
-    for gap, a, b in gaps:
-        by_pair.setdefault((a, b), []).append(gap)
+        by_pair.setdefault((a["name"][:70], b["name"][:70]), []).append(
+            b["ts"] - (a["ts"] + a["dur"]))
     return busy / args.iters, span / args.iters, len(kernels) // args.iters, by_pair
 
 

@@ -72,6 +72,7 @@ constexpr int kThreads = 384;
 constexpr int kTileBytesA = kBlockM * kBlockK * 2;
 constexpr int kSharedBudget = 224 * 1024;  // of the 227 KB a block may have
 constexpr int kStoreBoxCols = 64;          // TMA store boxes: 64 rows x 64 bf16 (128 B)
+constexpr int kStoreBoxBytes = 64 * kStoreBoxCols * 2;
 
 // A tile of 128 rows x kBlockN columns of accumulators (kSwiGLU: kBlockN/2 gate + kBlockN/2
 // up, kBlockN/2 output columns).
@@ -86,7 +87,7 @@ struct TileConfig {
   // by TMA, the gate box into the staging buffer's free last quarter (its outputs fill three
   // 64 x 64 boxes), the up box here.
   static constexpr bool kHByTma = kEpilogue == Epilogue::kSwiGLUBackward && kBlockN == 256;
-  static constexpr int kHUpBytes = kHByTma ? 64 * 64 * 2 : 0;
+  static constexpr int kHUpBytes = kHByTma ? kStoreBoxBytes : 0;
   static constexpr int kStages =
       (kSharedBudget - 2 * kStagingBytes - 2 * kHUpBytes) / (kTileBytesA + kTileBytesB);
   static constexpr int kAccumulators = kBlockN / 2;  // per consumer thread (m64nNk16)
@@ -201,13 +202,13 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
                                                const float (&acc)[kBlockN / 2], int warpgroup,
                                                uint8_t* staging) {
   constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
-  constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) bulk_wait_group_read_all();  // the previous tile's stores have left staging
   named_barrier_sync(1 + warpgroup, 128);
   for_each_output<kEpilogue, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
     const int box = c / kStoreBoxCols, cc = c % kStoreBoxCols;
-    uint8_t* at = staging + box * kBoxBytes + r * 128 + (((cc / 8) ^ (r % 8)) * 16) + (cc % 8) * 2;
+    uint8_t* at =
+        staging + box * kStoreBoxBytes + r * 128 + (((cc / 8) ^ (r % 8)) * 16) + (cc % 8) * 2;
     *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v0, v1);
   });
   fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
@@ -215,8 +216,8 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
   if (leader) {
 #pragma unroll
     for (int box = 0; box < kOutCols / kStoreBoxCols; ++box) {
-      tma_store_2d(&map_c, staging + box * kBoxBytes, t.n_tile * kOutCols + box * kStoreBoxCols,
-                   t.out_row0 + warpgroup * 64);
+      tma_store_2d(&map_c, staging + box * kStoreBoxBytes,
+                   t.n_tile * kOutCols + box * kStoreBoxCols, t.out_row0 + warpgroup * 64);
     }
     bulk_commit_group();
   }
@@ -250,7 +251,6 @@ __device__ __forceinline__ void store_slab_h_tma(const CUtensorMap& map_h,
                                                  uint8_t* staging) {
   constexpr int kHalf = kBlockN / 2;
   static_assert(kHalf == TileConfig<Epilogue::kSwiGLU, kBlockN>::kOutCols);
-  constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
   const bool leader = threadIdx.x % 128 == 0;
 #pragma unroll
   for (int part = 0; part < 2; ++part) {  // 0: gate columns, 1: up columns
@@ -260,7 +260,8 @@ __device__ __forceinline__ void store_slab_h_tma(const CUtensorMap& map_h,
       if ((c < kHalf) != (part == 0)) return;
       const int in_half = c - part * kHalf;
       const int box = in_half / kStoreBoxCols, cc = in_half % kStoreBoxCols;
-      uint8_t* at = staging + box * kBoxBytes + r * 128 + (((cc / 8) ^ (r % 8)) * 16) + (cc % 8) * 2;
+      uint8_t* at =
+          staging + box * kStoreBoxBytes + r * 128 + (((cc / 8) ^ (r % 8)) * 16) + (cc % 8) * 2;
       *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v0, v1);
     });
     fence_proxy_async_shared();
@@ -268,7 +269,7 @@ __device__ __forceinline__ void store_slab_h_tma(const CUtensorMap& map_h,
     if (leader) {
 #pragma unroll
       for (int box = 0; box < kHalf / kStoreBoxCols; ++box) {
-        tma_store_2d(&map_h, staging + box * kBoxBytes,
+        tma_store_2d(&map_h, staging + box * kStoreBoxBytes,
                      part * p.half_n + t.n_tile * kHalf + box * kStoreBoxCols,
                      t.out_row0 + warpgroup * 64);
       }
@@ -408,11 +409,10 @@ __device__ __forceinline__ void load_h_quarter(const CUtensorMap& map_h_in,
                                                const GroupedGemmParams& p, const TileCoords& t,
                                                int warpgroup, int quarter, uint8_t* staging,
                                                uint8_t* h_up, uint64_t* bar) {
-  constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
   const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
   const int row = t.row0 + warpgroup * 64;
-  mbarrier_arrive_expect_tx(bar, 2 * kBoxBytes);
-  tma_load_2d(staging + 3 * kBoxBytes, &map_h_in, bar, col, row);
+  mbarrier_arrive_expect_tx(bar, 2 * kStoreBoxBytes);
+  tma_load_2d(staging + 3 * kStoreBoxBytes, &map_h_in, bar, col, row);
   tma_load_2d(h_up, &map_h_in, bar, p.half_n + col, row);
 }
 
@@ -429,15 +429,15 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
     const CUtensorMap& map_dh, const CUtensorMap& map_a, const CUtensorMap& map_h_in,
     const GroupedGemmParams& p, const TileCoords& t, const float (&acc)[kBlockN / 2],
     int warpgroup, uint8_t* staging, uint8_t* h_up, uint64_t* h_bar, uint32_t& h_phase) {
-  constexpr int kBoxBytes = 64 * kStoreBoxCols * 2;
   constexpr int kQuarters = kBlockN / kStoreBoxCols;
   constexpr int kChunksPerBox = kStoreBoxCols / 8;
-  static_assert(4 * kBoxBytes <= TileConfig<Epilogue::kSwiGLUBackward, kBlockN>::kStagingBytes);
+  static_assert(4 * kStoreBoxBytes <=
+                TileConfig<Epilogue::kSwiGLUBackward, kBlockN>::kStagingBytes);
   const int thread = threadIdx.x % 128;
   const bool leader = thread == 0;
   const int slab = warpgroup * 64;
   const int pair = (thread % 4) * 2;  // this thread's first column within each 8-column chunk
-  const uint8_t* h_gate = staging + 3 * kBoxBytes;
+  const uint8_t* h_gate = staging + 3 * kStoreBoxBytes;
   float partial[2] = {0.f, 0.f};
   bool valid[2];
   float weight[2];
@@ -485,8 +485,8 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
             swiglu_backward_pair(z, g_bits[i], u_bits[i], weight[half], partial[half]);
         const int at = r * 128 + ((i ^ (r % 8)) * 16) + pair * 2;
         *reinterpret_cast<__nv_bfloat162*>(staging + at) = out.dg;
-        *reinterpret_cast<__nv_bfloat162*>(staging + kBoxBytes + at) = out.du;
-        *reinterpret_cast<__nv_bfloat162*>(staging + 2 * kBoxBytes + at) = out.a;
+        *reinterpret_cast<__nv_bfloat162*>(staging + kStoreBoxBytes + at) = out.du;
+        *reinterpret_cast<__nv_bfloat162*>(staging + 2 * kStoreBoxBytes + at) = out.a;
       }
     }
     fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
@@ -495,8 +495,8 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
       const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
       const int row = t.out_row0 + slab;
       tma_store_2d(&map_dh, staging, col, row);
-      tma_store_2d(&map_dh, staging + kBoxBytes, p.half_n + col, row);
-      if (p.a_out != nullptr) tma_store_2d(&map_a, staging + 2 * kBoxBytes, col, row);
+      tma_store_2d(&map_dh, staging + kStoreBoxBytes, p.half_n + col, row);
+      if (p.a_out != nullptr) tma_store_2d(&map_a, staging + 2 * kStoreBoxBytes, col, row);
       bulk_commit_group();
     }
   }
