@@ -7,8 +7,9 @@
 // Why: the ping-pong schedule (docs/wip/pingpong-128x128.patch) lets one warpgroup issue
 // at a time, each with two m64n128 accumulator sets, and measured 1.7-2x slower than the
 // cooperative kernel (two warpgroups at once, one m64n256 set each). This separates "one
-// warpgroup cannot keep the tensor cores busy" from a fault of that kernel. The second
-// part runs one MMA warpgroup beside a stand-in for the other's epilogue.
+// warpgroup cannot keep the tensor cores busy" from a fault of that kernel (it was one:
+// ptxas had serialized its wgmma, C7520; see docs/pingpong-plan.md). The second part runs
+// one MMA warpgroup beside a stand-in for the other's epilogue.
 //
 // Measured (one H200, 2026-11-30, bench/results/history/ab-wip-patches-83b945a.txt): every
 // configuration 958-970 TFLOP/s, with or without the epilogue stand-in beside it (run

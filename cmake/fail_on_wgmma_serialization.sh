@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# CUDA compiler launcher (CMakeLists.txt): runs one nvcc command and fails it when ptxas
+# reports serialized wgmma (C7520, "Potential Performance Loss: wgmma.mma_async
+# instructions are serialized"). ptxas prints that as information and the build goes on,
+# yet every wgmma of the kernel then waits for the previous one: a ping-pong GEMM built so
+# ran 1.7-2x slower and was measured for a session before the cause was seen (PERFLOG,
+# second session of 2026-11-30).
+set -uo pipefail
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+"$@" 2>"$log"
+status=$?
+cat "$log" >&2
+if grep -q "C7520" "$log"; then
+  echo "error: ptxas serialized wgmma.mma_async (C7520, above): a wgmma under a runtime" \
+       "condition, or accumulators touched between wgmma and wgmma.wait, makes ptxas do" \
+       "that; fix the kernel" >&2
+  exit 1
+fi
+exit "$status"
