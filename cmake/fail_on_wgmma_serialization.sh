@@ -12,6 +12,14 @@ trap 'rm -f "$log"' EXIT
 status=$?
 cat "$log" >&2
 if grep -q "C7520" "$log"; then
+  # Remove the object too: make would otherwise take it as up to date on the next build.
+  out=""
+  prev=""
+  for arg in "$@"; do
+    if [ "$prev" = "-o" ]; then out=$arg; fi
+    prev=$arg
+  done
+  if [ -n "$out" ]; then rm -f "$out"; fi
   echo "error: ptxas serialized wgmma.mma_async (C7520, above): a wgmma under a runtime" \
        "condition, or accumulators touched between wgmma and wgmma.wait, makes ptxas do" \
        "that; fix the kernel" >&2
