@@ -13,7 +13,8 @@
 //
 // Measured (one H200, 2026-11-30, bench/results/history/ab-wip-patches-83b945a.txt): every
 // configuration 958-970 TFLOP/s, with or without the epilogue stand-in beside it (run
-// before its two timing loops were folded into time_ms; what is timed did not change).
+// before the two kernels' MMA loops and timing loops were folded into issue_mmas and
+// time_ms; what is issued and timed did not change).
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
 //          tools/wgmma_rate.cu -o build-ab/wgmma_rate
@@ -29,18 +30,20 @@ using namespace megamoe::sm90;
 constexpr int kKSteps = 4;         // 16-wide k-steps per 64-wide k-block
 constexpr int kSmemBytes = 200 * 1024;  // one block per SM
 
-template <int kWarpgroups, int kN, int kChains>
-__global__ void __launch_bounds__(128 * 2, 1) wgmma_rate_kernel(int k_blocks, float* sink) {
-  extern __shared__ __align__(1024) uint8_t smem[];
+constexpr int kSlabBytes = 8192;          // one 64-row slab of A (64 x 64 bf16)
+constexpr int kBOffset = 4 * kSlabBytes;  // B (up to 256 rows x 64) after four A slabs
+
+__device__ void zero_shared(uint8_t* smem) {
   for (int i = threadIdx.x; i < kSmemBytes / 16; i += blockDim.x) {
     reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
   }
-  __syncthreads();
-  const int warpgroup = threadIdx.x / 128;
-  if (warpgroup >= kWarpgroups) return;
-  // A: 64-row slabs (8 KB each, one per chain and warpgroup); B: kN rows x 64 (K-major).
-  uint8_t* a = smem + warpgroup * kChains * 8192;
-  uint8_t* b = smem + 4 * 8192;
+}
+
+// One warpgroup's MMAs: k_blocks k-blocks of kKSteps m64nNk16 per accumulator set (A slab
+// c for set c, the same B), one commit per k-block and wait_group 1, as the grouped GEMM.
+// Returns a sum of the accumulators for the caller to keep them alive.
+template <int kN, int kChains>
+__device__ float issue_mmas(const uint8_t* a, const uint8_t* b, int k_blocks) {
   float acc[kChains][kN / 2];
 #pragma unroll
   for (int c = 0; c < kChains; ++c) {
@@ -59,7 +62,8 @@ __global__ void __launch_bounds__(128 * 2, 1) wgmma_rate_kernel(int k_blocks, fl
     for (int kk = 0; kk < kKSteps; ++kk) {
 #pragma unroll
       for (int c = 0; c < kChains; ++c) {
-        wgmma_bf16<kN>(acc[c], smem_desc_k_major_sw128(a + c * 8192) + 2 * kk, desc_b + 2 * kk, 1);
+        wgmma_bf16<kN>(acc[c], smem_desc_k_major_sw128(a + c * kSlabBytes) + 2 * kk,
+                       desc_b + 2 * kk, 1);
       }
     }
     wgmma_commit();
@@ -72,6 +76,19 @@ __global__ void __launch_bounds__(128 * 2, 1) wgmma_rate_kernel(int k_blocks, fl
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) s += acc[c][i];
   }
+  return s;
+}
+
+template <int kWarpgroups, int kN, int kChains>
+__global__ void __launch_bounds__(128 * 2, 1) wgmma_rate_kernel(int k_blocks, float* sink) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  zero_shared(smem);
+  __syncthreads();
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup >= kWarpgroups) return;
+  // Each warpgroup its own A slabs, one per accumulator set; B shared.
+  const float s = issue_mmas<kN, kChains>(smem + warpgroup * kChains * kSlabBytes,
+                                          smem + kBOffset, k_blocks);
   if (s == 12345.f) *sink = s;  // keeps the MMAs alive
 }
 
@@ -120,9 +137,7 @@ __global__ void __launch_bounds__(256, 1) interference_kernel(int k_blocks, floa
                                                               uint8_t* scratch) {
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ volatile int done;
-  for (int i = threadIdx.x; i < kSmemBytes / 16; i += blockDim.x) {
-    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
-  }
+  zero_shared(smem);
   if (threadIdx.x == 0) done = 0;
   __syncthreads();
   if (threadIdx.x >= 128) {  // the epilogue stand-in
@@ -156,40 +171,8 @@ __global__ void __launch_bounds__(256, 1) interference_kernel(int k_blocks, floa
     }
     return;
   }
-  uint8_t* a = smem;
-  uint8_t* b = smem + 32 * 1024;
-  float acc[2][64];
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[c][i] = 0.f;
-  }
-  const uint64_t desc_b = smem_desc_k_major_sw128(b);
-  for (int kb = 0; kb < k_blocks; ++kb) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-#pragma unroll
-      for (int i = 0; i < 64; ++i) fence_operand(acc[c][i]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        wgmma_bf16<128>(acc[c], smem_desc_k_major_sw128(a + c * 8192) + 2 * kk, desc_b + 2 * kk, 1);
-      }
-    }
-    wgmma_commit();
-    wgmma_wait<1>();
-  }
-  wgmma_wait<0>();
+  const float s = issue_mmas<128, 2>(smem, smem + kBOffset, k_blocks);
   if (threadIdx.x == 0) done = 1;
-  float s = 0.f;
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s += acc[c][i];
-  }
   if (s == 12345.f) *sink = s;
 }
 
