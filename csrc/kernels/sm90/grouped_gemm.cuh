@@ -152,7 +152,11 @@ __device__ __forceinline__ TileCoords locate_wgrad_tile(const GroupedGemmParams&
   return t;
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+// Approximate division (MUFU.RCP and a multiply) instead of the IEEE division's
+// instruction sequence: these feed bf16 outputs, whose rounding is far coarser. For
+// g < -88, exp(-g) is inf and both give 0 (the sign of g aside).
+__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 // Accumulator fragment of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
 // columns 8q + 2(l%4) (+1) in acc[4q + {0,1}] (row) and acc[4q + {2,3}] (row + 8).
@@ -307,7 +311,7 @@ __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[
   float dg[2], du[2], a[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const float sig = 1.0f / (1.0f + __expf(-gs[j]));
+    const float sig = sigmoid(gs[j]);
     const float silu_g = gs[j] * sig;
     a[j] = silu_g * us[j];
     partial += z[j] * a[j];
