@@ -183,6 +183,36 @@ __device__ __forceinline__ void for_each_output(const float (&acc)[kBlockN / 2],
   }
 }
 
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Writes kChunks 8-column chunks of the warpgroup's 64-row slab, starting at accumulator
+// chunk `first` (value(chunk, half, j) gives column 2(l % 4) + j of row l / 4 + 8 half),
+// as bf16 into the staging buffer's 128-byte-swizzled 64 x 64 boxes (chunk c of row r at
+// box c / 8, 16-byte slot (c % 8) ^ (r % 8)). One stmatrix stores two chunks of the warp's
+// 16 rows: a quarter of the shared-memory store instructions of 4-byte stores.
+template <int kChunks, class Value>
+__device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value) {
+  static_assert(kChunks % 2 == 0);
+  const int thread = threadIdx.x % 128;
+  const int lane = thread % 32;
+  const int j = lane % 8, matrix = lane / 8;  // this lane addresses row j of `matrix`
+  const int row = (thread / 32) * 16 + (matrix % 2) * 8 + j;
+  uint8_t* row_base = staging + row * 128;
+#pragma unroll
+  for (int q = 0; q < kChunks; q += 2) {
+    // Matrices: (chunk q, rows 0-7), (q, rows 8-15), (q + 1, rows 0-7), (q + 1, rows 8-15).
+    const uint32_t r0 = pack_bf16x2(value(q, 0, 0), value(q, 0, 1));
+    const uint32_t r1 = pack_bf16x2(value(q, 1, 0), value(q, 1, 1));
+    const uint32_t r2 = pack_bf16x2(value(q + 1, 0, 0), value(q + 1, 0, 1));
+    const uint32_t r3 = pack_bf16x2(value(q + 1, 1, 0), value(q + 1, 1, 1));
+    const int c = q + matrix / 2;
+    stmatrix_x4(row_base + (c / 8) * kStoreBoxBytes + (((c % 8) ^ j) * 16), r0, r1, r2, r3);
+  }
+}
+
 // A slab with rows past the expert's end: plain masked stores from registers.
 template <Epilogue kEpilogue, int kBlockN>
 __device__ __forceinline__ void store_slab_direct(const GroupedGemmParams& p, const TileCoords& t,
@@ -209,11 +239,14 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) bulk_wait_group_read_all();  // the previous tile's stores have left staging
   named_barrier_sync(1 + warpgroup, 128);
-  for_each_output<kEpilogue, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
-    const int box = c / kStoreBoxCols, cc = c % kStoreBoxCols;
-    uint8_t* at =
-        staging + box * kStoreBoxBytes + r * 128 + (((cc / 8) ^ (r % 8)) * 16) + (cc % 8) * 2;
-    *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v0, v1);
+  constexpr int kUpChunk = kBlockN / 2 / 8;  // kSwiGLU: first 8-column chunk of the up half
+  stage_chunks<kOutCols / 8>(staging, [&](int q, int half, int j) {
+    const float v = acc[q * 4 + half * 2 + j];
+    if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+      return silu(v) * acc[(q + kUpChunk) * 4 + half * 2 + j];
+    } else {
+      return v;
+    }
   });
   fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
   named_barrier_sync(1 + warpgroup, 128);
@@ -260,13 +293,8 @@ __device__ __forceinline__ void store_slab_h_tma(const CUtensorMap& map_h,
   for (int part = 0; part < 2; ++part) {  // 0: gate columns, 1: up columns
     if (leader) bulk_wait_group_read_all();  // the staging buffer's last store has read it
     named_barrier_sync(1 + warpgroup, 128);
-    for_each_output<Epilogue::kStore, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
-      if ((c < kHalf) != (part == 0)) return;
-      const int in_half = c - part * kHalf;
-      const int box = in_half / kStoreBoxCols, cc = in_half % kStoreBoxCols;
-      uint8_t* at =
-          staging + box * kStoreBoxBytes + r * 128 + (((cc / 8) ^ (r % 8)) * 16) + (cc % 8) * 2;
-      *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v0, v1);
+    stage_chunks<kHalf / 8>(staging, [&](int q, int half, int j) {
+      return acc[(part * kHalf / 8 + q) * 4 + half * 2 + j];
     });
     fence_proxy_async_shared();
     named_barrier_sync(1 + warpgroup, 128);
@@ -440,7 +468,7 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
   const int thread = threadIdx.x % 128;
   const bool leader = thread == 0;
   const int slab = warpgroup * 64;
-  const int pair = (thread % 4) * 2;  // this thread's first column within each 8-column chunk
+  const int lane = thread % 32;
   const uint8_t* h_gate = staging + 3 * kStoreBoxBytes;
   float partial[2] = {0.f, 0.f};
   bool valid[2];
@@ -458,15 +486,24 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
     h_phase ^= 1;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = (thread / 32) * 16 + (thread % 32) / 4 + half * 8;
+      // ldmatrix and stmatrix move four 8-column chunks of the half's 8 rows per
+      // instruction: lane l addresses row l % 8 of chunk i0 + l / 8, and each thread gets
+      // or gives the values of its fragment row (a quarter of the instructions of 4-byte
+      // loads and stores).
+      const int mrow = (thread / 32) * 16 + half * 8 + lane % 8;
+      const auto box_offset = [&](int i0) { return mrow * 128 + (((i0 + lane / 8) ^ (lane % 8)) * 16); };
       // The row's h values of the quarter from the swizzled boxes (rows past the expert's
       // end hold the next rows of h: read as zeros).
-      unsigned g_bits[kChunksPerBox], u_bits[kChunksPerBox];
+      uint32_t g_bits[kChunksPerBox], u_bits[kChunksPerBox];
+#pragma unroll
+      for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
+        ldmatrix_x4(h_gate + box_offset(i0), g_bits[i0], g_bits[i0 + 1], g_bits[i0 + 2], g_bits[i0 + 3]);
+        ldmatrix_x4(h_up + box_offset(i0), u_bits[i0], u_bits[i0 + 1], u_bits[i0 + 2], u_bits[i0 + 3]);
+      }
 #pragma unroll
       for (int i = 0; i < kChunksPerBox; ++i) {
-        const int at = r * 128 + ((i ^ (r % 8)) * 16) + pair * 2;
-        g_bits[i] = valid[half] ? *reinterpret_cast<const unsigned*>(h_gate + at) : 0u;
-        u_bits[i] = valid[half] ? *reinterpret_cast<const unsigned*>(h_up + at) : 0u;
+        g_bits[i] = valid[half] ? g_bits[i] : 0u;
+        u_bits[i] = valid[half] ? u_bits[i] : 0u;
       }
       if (half == 0) {
         if (leader) bulk_wait_group_read_all();  // the last quarter's stores have read staging
@@ -479,18 +516,25 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
         }
       }
 #pragma unroll
-      for (int i = 0; i < kChunksPerBox; ++i) {
-        const int q = quarter * kChunksPerBox + i;
-        // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
-        // h = 0, dg = du = a = 0.
-        const float z[2] = {valid[half] ? acc[q * 4 + half * 2] : 0.f,
-                            valid[half] ? acc[q * 4 + half * 2 + 1] : 0.f};
-        const SwiGLUGradPair out =
-            swiglu_backward_pair(z, g_bits[i], u_bits[i], weight[half], partial[half]);
-        const int at = r * 128 + ((i ^ (r % 8)) * 16) + pair * 2;
-        *reinterpret_cast<__nv_bfloat162*>(staging + at) = out.dg;
-        *reinterpret_cast<__nv_bfloat162*>(staging + kStoreBoxBytes + at) = out.du;
-        *reinterpret_cast<__nv_bfloat162*>(staging + 2 * kStoreBoxBytes + at) = out.a;
+      for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
+        uint32_t dg[4], du[4], a[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int q = quarter * kChunksPerBox + i0 + m;
+          // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
+          // h = 0, dg = du = a = 0.
+          const float z[2] = {valid[half] ? acc[q * 4 + half * 2] : 0.f,
+                              valid[half] ? acc[q * 4 + half * 2 + 1] : 0.f};
+          const SwiGLUGradPair out = swiglu_backward_pair(z, g_bits[i0 + m], u_bits[i0 + m],
+                                                          weight[half], partial[half]);
+          dg[m] = *reinterpret_cast<const uint32_t*>(&out.dg);
+          du[m] = *reinterpret_cast<const uint32_t*>(&out.du);
+          a[m] = *reinterpret_cast<const uint32_t*>(&out.a);
+        }
+        uint8_t* at = staging + box_offset(i0);
+        stmatrix_x4(at, dg[0], dg[1], dg[2], dg[3]);
+        stmatrix_x4(at + kStoreBoxBytes, du[0], du[1], du[2], du[3]);
+        stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
       }
     }
     fence_proxy_async_shared();  // the TMA engine reads what these stores wrote

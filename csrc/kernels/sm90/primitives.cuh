@@ -81,6 +81,27 @@ __device__ __forceinline__ void bulk_wait_group_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// Stores four 8x8 bf16 matrices to shared memory: lane l gives the address of row l % 8 of
+// matrix l / 8 (16 contiguous bytes), and its register i holds elements 2(l % 4), 2(l % 4)
+// + 1 of row l / 4 of matrix i (the accumulator fragment layout of mma and wgmma).
+__device__ __forceinline__ void stmatrix_x4(void* row_address, uint32_t r0, uint32_t r1,
+                                            uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                   smem_addr(row_address)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The load counterpart: register i of lane l receives elements 2(l % 4), 2(l % 4) + 1 of
+// row l / 4 of matrix i, whose row l % 8 lane l addresses.
+__device__ __forceinline__ void ldmatrix_x4(const void* row_address, uint32_t& r0, uint32_t& r1,
+                                            uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(smem_addr(row_address))
+               : "memory");
+}
+
 // Barrier among `threads` threads (a warpgroup) on hardware barrier `id` (0 is
 // __syncthreads's).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
