@@ -8,6 +8,7 @@ recording, as in training) and the backward separately with CUDA events, takes m
 over several rotated input sets, and reports fwd, bwd, fwd+bwd (sum of the two medians),
 the full layer under activation checkpointing (2*fwd + bwd), forward TFLOP/s against the
 bf16 GEMM peak measured in the same run, and the speedup over the torch baseline.
+Rank 0 prints a table and writes <out-dir>/<name>.json (+ a PNG plot).
 
 Two GEMM peaks are measured: the short one (10 matmuls, ~15 ms, run at boost clock) that
 "% peak" uses, and a sustained one (--sustained-peak-seconds of back-to-back matmuls, the
@@ -15,7 +16,6 @@ median of the second half) that "% sust." uses. An H200 running GEMMs for more t
 tens of milliseconds reaches its 700 W power cap and lowers its SM clock (about 1.98 ->
 1.45 GHz); the timed layers run that long, so the sustained peak is the roofline they
 actually have (bench/results/PERFLOG.md, "power cap").
-Rank 0 prints a table and writes <out-dir>/<name>.json (+ a PNG plot).
 
 Without a GPU (or with --cpu) it runs the C++ CPU reference at the "tiny" preset: a smoke
 test of the pipeline, not a benchmark.
@@ -161,7 +161,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be >= 1")
     for option, value, minimum in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
-                                   ("--input-sets", args.input_sets, 1), ("--ep", args.ep, 1)):
+                                   ("--input-sets", args.input_sets, 1), ("--ep", args.ep, 1),
+                                   ("--sustained-peak-seconds", args.sustained_peak_seconds, 0)):
         if value < minimum:
             parser.error(f"{option} must be >= {minimum}, got {value}")
     if args.num_comm_sms is not None and args.num_comm_sms < 1:

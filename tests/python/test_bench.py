@@ -136,6 +136,7 @@ def test_speedups_compare_with_the_torch_row_of_the_same_config():
     (["--tokens", "1k"], "--tokens takes integers"),
     (["--iters", "0"], "--iters must be >= 1"),
     (["--num-comm-sms", "0"], "--num-comm-sms must be >= 1, got 0"),
+    (["--sustained-peak-seconds", "-1"], "--sustained-peak-seconds must be >= 0, got -1.0"),
     (["--ep", "3"], "--ep 3: model tiny has E=8 experts, not divisible by 3"),
     (["--ep", "2"], "--ep 2 needs 2 CUDA GPUs under torchrun, but --cpu was given"),
     (["--routing", "zipf"], "invalid choice: 'zipf'"),

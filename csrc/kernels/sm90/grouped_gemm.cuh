@@ -188,9 +188,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Writes kChunks 8-column chunks of the warpgroup's 64-row slab, starting at accumulator
-// chunk `first` (value(chunk, half, j) gives column 2(l % 4) + j of row l / 4 + 8 half),
-// as bf16 into the staging buffer's 128-byte-swizzled 64 x 64 boxes (chunk c of row r at
+// Writes kChunks 8-column chunks of the warpgroup's 64-row slab (value(chunk, half, j): this
+// thread's bf16 value for column 8 chunk + 2(l % 4) + j of fragment row l / 4 + 8 half)
+// into the staging buffer's 128-byte-swizzled 64 x 64 boxes (chunk c of row r at
 // box c / 8, 16-byte slot (c % 8) ^ (r % 8)). One stmatrix stores two chunks of the warp's
 // 16 rows: a quarter of the shared-memory store instructions of 4-byte stores.
 template <int kChunks, class Value>
