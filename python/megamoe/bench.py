@@ -257,8 +257,11 @@ class CpuClock:
 
 
 def measure_gemm_peak_tflops(device: torch.device, size: int = GEMM_PEAK_SIZE,
-                             warmup: int = 3, iters: int = 10) -> float:
-    """Median bf16 matmul throughput of this GPU: the yardstick for "% of peak"."""
+                             warmup: int = 3, iters: int = 10, seconds: float = 0.0) -> float:
+    """Median bf16 matmul throughput of this GPU: the yardstick for "% of peak". With
+    `seconds` > 0 the matmuls run back to back for that long instead of `iters` calls and
+    the median is over the second half: the throughput under the power cap that a long run
+    settles at (the sustained peak)."""
     generator = torch.Generator(device=device).manual_seed(1234)
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
@@ -267,34 +270,16 @@ def measure_gemm_peak_tflops(device: torch.device, size: int = GEMM_PEAK_SIZE,
     for _ in range(warmup):
         torch.matmul(a, b, out=c)
     marks = []
-    for _ in range(iters):
-        start = clock.mark()
-        torch.matmul(a, b, out=c)
-        marks.append((start, clock.mark()))
-    clock.wait()
-    median_ms = statistics.median(clock.elapsed_ms(s, e) for s, e in marks)
-    del a, b, c
-    return 2 * size**3 / (median_ms * 1e-3) / 1e12
-
-
-def measure_sustained_gemm_tflops(device: torch.device, seconds: float, clock,
-                                  size: int = GEMM_PEAK_SIZE) -> float:
-    """Median bf16 matmul throughput over the second half of `seconds` of back-to-back
-    matmuls: the peak under the power cap that a long run settles at."""
-    generator = torch.Generator(device=device).manual_seed(1234)
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
-    c = torch.empty(size, size, device=device, dtype=torch.bfloat16)
-    marks = []
     began = time.perf_counter()
-    while time.perf_counter() - began < seconds:
+    while (time.perf_counter() - began < seconds) if seconds > 0 else len(marks) < iters:
         start = clock.mark()
         torch.matmul(a, b, out=c)
         marks.append((start, clock.mark()))
         if len(marks) % 16 == 0:
             marks[-16][1].synchronize()  # the CPU stays a few calls ahead, so time is GPU time
     clock.wait()
-    median_ms = statistics.median(clock.elapsed_ms(s, e) for s, e in marks[len(marks) // 2:])
+    timed = marks[len(marks) // 2:] if seconds > 0 else marks
+    median_ms = statistics.median(clock.elapsed_ms(s, e) for s, e in timed)
     del a, b, c
     return 2 * size**3 / (median_ms * 1e-3) / 1e12
 
@@ -543,8 +528,8 @@ def run_benchmark(args, run: RunContext, argv: list[str]) -> dict:
         if args.sustained_peak_seconds > 0:
             progress(run, f"measuring the sustained bf16 GEMM peak ({args.sustained_peak_seconds:g} s "
                           "of matmuls)")
-            sustained_tflops = measure_sustained_gemm_tflops(run.device, args.sustained_peak_seconds,
-                                                             clock)
+            sustained_tflops = measure_gemm_peak_tflops(run.device,
+                                                        seconds=args.sustained_peak_seconds)
             if run.group is not None:
                 sustained_tflops = -_max_over_ranks([-sustained_tflops], run)[0]
             progress(run, f"sustained bf16 GEMM peak: {sustained_tflops:.1f} TFLOP/s")

@@ -158,6 +158,20 @@ __device__ __forceinline__ TileCoords locate_wgrad_tile(const GroupedGemmParams&
 __device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
+// Output j (0, 1) of 8-column chunk q in row half `half` of this thread's fragment (see
+// below): the accumulator, or for kSwiGLU silu(gate) * up of the gate and up chunks.
+template <Epilogue kEpilogue, int kBlockN>
+__device__ __forceinline__ float output_value(const float (&acc)[kBlockN / 2], int q, int half,
+                                              int j) {
+  const float v = acc[q * 4 + half * 2 + j];
+  if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+    constexpr int kUpChunk = kBlockN / 2 / 8;  // first 8-column chunk of the up half
+    return silu(v) * acc[(q + kUpChunk) * 4 + half * 2 + j];
+  } else {
+    return v;
+  }
+}
+
 // Accumulator fragment of m64nNk16: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
 // columns 8q + 2(l%4) (+1) in acc[4q + {0,1}] (row) and acc[4q + {2,3}] (row + 8).
 // `emit(r, c, v0, v1)` receives the output values of row r (0..63 of the warpgroup's slab)
@@ -168,17 +182,12 @@ __device__ __forceinline__ void for_each_output(const float (&acc)[kBlockN / 2],
   const int row = (thread / 32) * 16 + (thread % 32) / 4;
   const int col = (thread % 4) * 2;
   constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
-  constexpr int kUpChunk = kBlockN / 2 / 8;  // first 8-column chunk of the up half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
 #pragma unroll
     for (int q = 0; q < kOutCols / 8; ++q) {
-      float v0 = acc[q * 4 + half * 2], v1 = acc[q * 4 + half * 2 + 1];
-      if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-        v0 = silu(v0) * acc[(q + kUpChunk) * 4 + half * 2];
-        v1 = silu(v1) * acc[(q + kUpChunk) * 4 + half * 2 + 1];
-      }
-      emit(row + half * 8, q * 8 + col, v0, v1);
+      emit(row + half * 8, q * 8 + col, output_value<kEpilogue, kBlockN>(acc, q, half, 0),
+           output_value<kEpilogue, kBlockN>(acc, q, half, 1));
     }
   }
 }
@@ -239,14 +248,8 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) bulk_wait_group_read_all();  // the previous tile's stores have left staging
   named_barrier_sync(1 + warpgroup, 128);
-  constexpr int kUpChunk = kBlockN / 2 / 8;  // kSwiGLU: first 8-column chunk of the up half
   stage_chunks<kOutCols / 8>(staging, [&](int q, int half, int j) {
-    const float v = acc[q * 4 + half * 2 + j];
-    if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-      return silu(v) * acc[(q + kUpChunk) * 4 + half * 2 + j];
-    } else {
-      return v;
-    }
+    return output_value<kEpilogue, kBlockN>(acc, q, half, j);
   });
   fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
   named_barrier_sync(1 + warpgroup, 128);
