@@ -12,6 +12,7 @@
 #include "kernels/common/slot_reduce.h"
 #include "kernels/sm90/grouped_gemm.h"
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/sm_count.h"
 
 namespace megamoe::ep {
 namespace {
@@ -623,9 +624,7 @@ Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspa
       r.recv.expert_offsets, r.recv.tile_offsets, send_base, r.skip, r.error);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 
-  int device = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, device));
+  r.sms = sm_count();
   r.copy_blocks = 2 * (g.comm_sms > 0 && g.comm_sms < r.sms ? g.comm_sms : r.sms);
   const auto dispatch = [&](auto* ids) {
     dispatch_kernel<<<r.copy_blocks, kCopyThreads, 0, stream>>>(

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "kernels/common/bf16_row.cuh"
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/sm_count.h"
 
 namespace megamoe {
 namespace {
@@ -34,9 +35,8 @@ int lanes_log2_for(int64_t per_row) {
 // grid-strides, so a partial second wave would only add a tail).
 template <class Kernel>
 int grid_for(Kernel kernel, int64_t rows, int lanes_log2) {
-  int device = 0, sms = 0, per_sm = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
+  int per_sm = 0;
   MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
   const int64_t rows_per_block = kThreads >> lanes_log2;
   const int64_t wanted = (rows + rows_per_block - 1) / rows_per_block;

@@ -5,6 +5,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/sm_count.h"
 
 namespace megamoe {
 namespace {
@@ -73,9 +74,7 @@ void gather_rows_padded(const __nv_bfloat16* src, int64_t H, const RoutingPlan& 
   if (reinterpret_cast<uintptr_t>(src) % 16 || reinterpret_cast<uintptr_t>(out) % 16) {
     throw_invalid("gather_rows_padded: rows must be 16-byte aligned");
   }
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   const int64_t wanted = (padded_rows + kWarps - 1) / kWarps;
   const int blocks = static_cast<int>(wanted < 8LL * sms ? wanted : 8LL * sms);
   gather_rows_padded_kernel<<<blocks, kWarps * 32, 0, stream>>>(

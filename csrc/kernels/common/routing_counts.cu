@@ -10,6 +10,7 @@
 #include "core/tensor_check.h"
 #include "kernels/common/device.h"
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/sm_count.h"
 
 namespace megamoe {
 namespace {
@@ -57,9 +58,7 @@ __global__ void __launch_bounds__(kThreads)
 template <class Id>
 void launch(const megamoe_tensor& ids, int64_t n, int32_t num_experts, int32_t* counts,
             int32_t* invalid, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   // A few blocks per SM hide load latency; more would only add histogram flushes.
   const int64_t wanted = (n + kThreads - 1) / kThreads;
   const int blocks = static_cast<int>(wanted < 4LL * sms ? wanted : 4LL * sms);

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
 #include "kernels/sm90/grouped_gemm.cuh"
+#include "kernels/common/sm_count.h"
 
 namespace megamoe::sm90 {
 namespace {
@@ -117,9 +118,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
     p.a_out = backward->a_out;
   }
 
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   // The host does not know the counts: bound the M-tiles by one partial tile per expert.
   const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
@@ -220,9 +219,7 @@ void grouped_gemm_wgrad(const WgradArgs& w, cudaStream_t stream) {
     p.ldc = w.n;
     p.b_lbo = MnMajorStrides{}.lbo;
     p.b_sbo = MnMajorStrides{}.sbo;
-    int device = 0, sms = 0;
-    MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-    MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int sms = sm_count();
     const int64_t tiles = w.num_experts * (w.m / kBlockM) * p.n_tiles;
     const int grid = static_cast<int>(tiles < sms ? tiles : sms);
     const size_t smem = sizeof(Storage) + 1024;
