@@ -1,4 +1,4 @@
-// ABI entry of the fused backward on one GPU (fused/backward.h does the work).
+// ABI entry of the fused backward on one GPU (fused/layer.h does the work).
 #include <cuda_bf16.h>
 
 #include <string>
@@ -8,8 +8,7 @@
 #include "core/error.h"
 #include "core/layer_shape.h"
 #include "core/tensor_check.h"
-#include "fused/backward.h"
-#include "fused/workspace.h"
+#include "fused/layer.h"
 #include "kernels/common/device.h"
 
 using namespace megamoe;
@@ -24,16 +23,10 @@ void require_device_tensor(const megamoe_tensor& t, const char* name) {
   require_device_memory(t, name);
 }
 
-// A weight gradient: BFLOAT16 (written) or FLOAT32 (added into).
-fused::WeightGrad weight_grad(megamoe_tensor* g) {
-  fused::WeightGrad out;
-  if (g == nullptr) return out;
-  if (g->dtype == MEGAMOE_DTYPE_FLOAT32) {
-    out.f32 = static_cast<float*>(g->data);
-  } else {
-    out.bf16 = static_cast<__nv_bfloat16*>(g->data);
-  }
-  return out;
+// A weight gradient: BFLOAT16 (written) or FLOAT32 (added into); none for NULL.
+chain::WeightGrad weight_grad(megamoe_tensor* g) {
+  if (g == nullptr) return {};
+  return chain::WeightGrad::of(g->data, g->dtype == MEGAMOE_DTYPE_FLOAT32);
 }
 
 }  // namespace
@@ -47,9 +40,8 @@ MEGAMOE_API megamoe_status megamoe_fused_backward_workspace_size(int64_t tokens,
                                                                  int32_t h_saved, size_t* bytes) {
   return abi_call("megamoe_fused_backward_workspace_size", [&] {
     if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
-    *bytes = fused::backward_workspace(tokens, topk, hidden, intermediate, num_experts,
-                                       h_saved != 0)
-                 .total;
+    *bytes = fused::backward_workspace_bytes(tokens, topk, hidden, intermediate, num_experts,
+                                             h_saved != 0);
     return MEGAMOE_SUCCESS;
   });
 }
@@ -116,18 +108,6 @@ MEGAMOE_API megamoe_status megamoe_fused_backward(
                          outputs[j].second);
       }
     }
-    const fused::BackwardWorkspace w =
-        fused::backward_workspace(s.T, s.k, s.H, s.I, s.E, saved_h != nullptr);
-    fused::check_workspace(workspace, workspace_bytes, w.total,
-                           "megamoe_fused_backward_workspace_size");
-    fused::BackwardBuffers b{};
-    b.plan = fused::plan_in(workspace, w.plan);
-    b.plan_scratch = fused::piece<void>(workspace, w.plan.plan_scratch);
-    b.h = saved_h != nullptr ? nullptr : fused::piece<__nv_bfloat16>(workspace, w.h);
-    b.dh = fused::piece<__nv_bfloat16>(workspace, w.dh);
-    b.a = fused::piece<__nv_bfloat16>(workspace, w.a);
-    b.dp_partial = fused::piece<float>(workspace, w.dp_partial);
-    b.token_rows = fused::piece<__nv_bfloat16>(workspace, w.token_rows);
     fused::BackwardOutputs out{};
     out.dx = dx != nullptr ? static_cast<__nv_bfloat16*>(dx->data) : nullptr;
     out.d_topk_weights =
@@ -142,7 +122,8 @@ MEGAMOE_API megamoe_status megamoe_fused_backward(
                     static_cast<const __nv_bfloat16*>(w_down->data),
                     saved_h != nullptr ? static_cast<const __nv_bfloat16*>(saved_h->data)
                                        : nullptr,
-                    s.T, s.k, s.H, s.I, s.E, b, out, static_cast<cudaStream_t>(cuda_stream));
+                    s.T, s.k, s.H, s.I, s.E, out, workspace, workspace_bytes,
+                    static_cast<cudaStream_t>(cuda_stream));
     return MEGAMOE_SUCCESS;
   });
 }

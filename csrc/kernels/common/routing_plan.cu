@@ -383,6 +383,21 @@ size_t routing_plan_scratch_bytes(int64_t num_slots, int64_t num_experts) {
   return static_cast<size_t>(c.blocks * (num_experts + 1)) * sizeof(int32_t);
 }
 
+RoutingPlanWorkspace carve_routing_plan(WorkspaceCarver& carver, int64_t num_slots,
+                                        int64_t num_experts) {
+  RoutingPlanWorkspace w{};
+  w.plan.expert_counts = carver.take<int32_t>(num_experts);
+  w.plan.expert_offsets = carver.take<int32_t>(num_experts + 1);
+  w.plan.tile_offsets = carver.take<int32_t>(num_experts + 1);
+  w.plan.row_token = carver.take<int32_t>(num_slots);
+  w.plan.row_slot = carver.take<int32_t>(num_slots);
+  w.plan.slot_row = carver.take<int32_t>(num_slots);
+  w.plan.invalid_count = carver.take<int32_t>(1);
+  w.scratch = carver.take<char>(
+      static_cast<int64_t>(routing_plan_scratch_bytes(num_slots, num_experts)));
+  return w;
+}
+
 void build_routing_plan(const void* topk_ids, bool ids_are_int64, int64_t T, int64_t k, int64_t E,
                         int32_t block_m, const RoutingPlan& plan, void* scratch,
                         cudaStream_t stream) {

@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/workspace.h"
+
 namespace megamoe {
 
 struct RoutingPlan {          // all device pointers, caller-allocated
@@ -35,6 +37,15 @@ constexpr int64_t kRoutingPlanMaxExperts = 4096;
 // `num_experts` experts (0 when num_slots is 0). 4-byte alignment suffices. Throws
 // megamoe::Error (INVALID_ARGUMENT) for sizes build_routing_plan would reject.
 size_t routing_plan_scratch_bytes(int64_t num_slots, int64_t num_experts);
+
+// A plan's arrays and build_routing_plan's scratch, for `num_slots` slots and `num_experts`
+// experts, carved from a workspace: the one layout every caller of the plan uses.
+struct RoutingPlanWorkspace {
+  RoutingPlan plan;
+  void* scratch;
+};
+RoutingPlanWorkspace carve_routing_plan(WorkspaceCarver& carver, int64_t num_slots,
+                                        int64_t num_experts);
 
 // topk_ids: device [T, k] int32 (ids_are_int64 = false) or int64, contiguous. T >= 0,
 // k >= 1, T*k < 2^31, 1 <= E <= kRoutingPlanMaxExperts, block_m >= 1. `scratch` holds at
