@@ -234,7 +234,7 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
                     {w_down, "w_down"}}, outputs);
     }
     const auto grad = [](megamoe_tensor* t) {
-      return ep::WeightGrad{t->data, t->dtype == MEGAMOE_DTYPE_FLOAT32};
+      return chain::WeightGrad::of(t->data, t->dtype == MEGAMOE_DTYPE_FLOAT32);
     };
     ep::backward(g, static_cast<const __nv_bfloat16*>(dy->data),
                  static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,

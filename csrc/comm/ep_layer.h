@@ -1,6 +1,6 @@
-// The fused layer with expert parallelism over the GPUs of one node, first version: token
-// rows move to their experts' ranks and results come back by peer stores, in kernels of
-// their own around the one-GPU grouped GEMMs (no overlap yet), with the counts exchanged
+// The fused layer with expert parallelism over the GPUs of one node: token rows move to
+// their experts' ranks and results come back by peer stores, in kernels of their own around
+// the expert chain (chain/expert_chain.h, the one-GPU layer's), with the counts exchanged
 // and every hand-off signalled on the device (no host sync).
 //
 // Rank r of W owns global experts [r * E_local, (r + 1) * E_local). A call:
@@ -14,13 +14,16 @@
 //      ranks that moves 4x fewer bytes): the x row (backward: and the dy row) into the
 //      source's section of the owner's received tokens, with, per slot there, its owner
 //      row, router weight and token; signal;
-//   5. the one-GPU kernels on the received rows (A gathered from the received tokens);
+//   5. the expert chain on the received rows (A gathered from the received tokens);
 //   6. combine send: per received token, its rows' results summed in fp32 over its slots
 //      (forward: weighted), rounded to bf16 once, into the source's combine area at [this
 //      rank, token]; the backward also sends each slot's d topk_weights; signal;
 //   7. the source sums the owners' partial rows in rank order -> y (backward: dx).
-// Weight gradients stay on the owner and d topk_weights is per slot: both are bitwise
-// equal to the one-GPU layer's; y and dx add one bf16 rounding per owner (the partial sum).
+// Steps 1-3 are ep_plan.cu, 4 ep_dispatch.cu, 6-7 ep_combine.cu, around the layout of
+// ep_layout.h; ep_layer.cpp runs them. Weight gradients stay on the owner and d
+// topk_weights is per slot: both are bitwise equal to the one-GPU layer's (an expert's rows
+// arrive in the global token order, so the chain sees them as the one-GPU layer does); y
+// and dx add one bf16 rounding per owner (the partial sum).
 // A rank that would receive more rows than max_recv_rows makes every rank skip the sends
 // (they all see the same counts) and write NaN into every output, with a capacity error
 // code.
@@ -36,37 +39,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "comm/peer_exchange.h"
+#include "chain/expert_chain.h"
+#include "comm/ep_layout.h"
 
 namespace megamoe::ep {
-
-struct Group {
-  comm::PeerTable peers;
-  int64_t num_experts;       // E, global; a multiple of world_size
-  int64_t max_tokens;        // per rank and call
-  int64_t topk;
-  int64_t hidden;
-  int64_t max_recv_rows;     // (token, expert) rows a rank can receive per call
-  int64_t timeout_ns;
-  int32_t comm_sms;          // SMs of the kernels that move rows between ranks; 0: all
-};
-
-// Layout of each rank's symmetric buffer (identical on every rank).
-struct BufferLayout {
-  size_t control;       // comm::ControlLayout
-  size_t error;         // int32: 0, or a comm::describe_error code of this rank's last call
-  size_t recv_x;             // bf16 [W * max_tokens, H] received tokens, a section per source
-  size_t recv_dy;            // bf16 [W * max_tokens, H] their dy rows (backward)
-  size_t recv_token_count;   // int32 [8] tokens received from each source in this call
-  size_t recv_token_source;  // int32 [W * max_tokens] each received token's index on its source
-  size_t recv_slot_row;      // int32 [W * max_tokens, k] row here of each slot, -1 elsewhere
-  size_t recv_row_token;     // int32 [max_recv_rows] received token of each row here
-  size_t recv_weight;        // fp32 [max_recv_rows] router weight of each row here
-  size_t combine_rows;       // bf16 [W, max_tokens, H] each owner's partial sum per token
-  size_t combine_dp;         // fp32 [max_tokens * k] d topk_weights of each slot (backward)
-  size_t total;
-};
-BufferLayout buffer_layout(const Group& g);
 
 // Device workspace of one call (caller-allocated, no initialisation).
 size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate);
@@ -85,12 +61,6 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
              __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
              cudaStream_t stream);
 
-// A weight gradient: bf16 written, or (accumulate) fp32 added into.
-struct WeightGrad {
-  void* data;
-  bool accumulate;
-};
-
 // Writes dx [T, H] bf16 and d_topk_weights [T, k] fp32 (0 for an id of -1), and this
 // rank's experts' d_w_gate_up [E_local, 2I, H] and d_w_down [E_local, H, I] (zeros, or
 // nothing added, for experts without rows). saved_h: null to recompute L1 on the owner
@@ -99,7 +69,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
               const __nv_bfloat16* w_gate_up, const __nv_bfloat16* w_down, int64_t T, int64_t I,
               const __nv_bfloat16* saved_h, __nv_bfloat16* dx, float* d_topk_weights,
-              WeightGrad d_w_gate_up, WeightGrad d_w_down, void* workspace,
+              chain::WeightGrad d_w_gate_up, chain::WeightGrad d_w_down, void* workspace,
               size_t workspace_size, cudaStream_t stream);
 
 }  // namespace megamoe::ep

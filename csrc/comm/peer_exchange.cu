@@ -24,6 +24,12 @@ __global__ void __launch_bounds__(kThreads)
   arrive_and_wait(peers, Phase::kCounts, generation, timeout_ns, error);
 }
 
+__global__ void phase_kernel(const __grid_constant__ PeerTable peers, Phase phase,
+                             int64_t timeout_ns, int32_t* error) {
+  const uint32_t generation = next_generation(peers, phase);
+  arrive_and_wait(peers, phase, generation, timeout_ns, error);
+}
+
 [[maybe_unused]] const bool kPreloadable = register_kernel_module(&exchange_counts_kernel);
 
 }  // namespace
@@ -50,6 +56,12 @@ void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_
   if (!local_counts || !error) throw_invalid("exchange_counts: null counts or error pointer");
   exchange_counts_kernel<<<1, kThreads, 0, stream>>>(
       peers, local_counts, static_cast<int32_t>(num_experts), timeout_ns, error);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void phase_barrier(const PeerTable& peers, Phase phase, int64_t timeout_ns, int32_t* error,
+                   cudaStream_t stream) {
+  phase_kernel<<<1, 32, 0, stream>>>(peers, phase, timeout_ns, error);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

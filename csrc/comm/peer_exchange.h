@@ -5,8 +5,8 @@
 // the peer's signal word reaching that generation. A peer that never arrives ends the
 // wait after `timeout_ns` with an error code naming the rank and the phase.
 //
-// First building block of issue 4: the expert counts (the all-gather every rank needs to
-// lay out the token rows it sends and receives).
+// Two collectives: the exchange of the expert counts (the all-gather every rank needs to
+// lay out the token rows it sends and receives), and a barrier per phase of a call.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -68,6 +68,12 @@ static_assert(ControlLayout::kCounts - ControlLayout::kSignal >=
 // code (describe_error) when a peer did not arrive in time.
 void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_t num_experts,
                      int64_t timeout_ns, int32_t* error, cudaStream_t stream);
+
+// Signals this rank's arrival in `phase` on every rank, after this stream's earlier stores
+// to them, then waits until every rank has arrived: kernels behind it on the stream see what
+// every peer stored before its arrival. Collective like exchange_counts; error: as there.
+void phase_barrier(const PeerTable& peers, Phase phase, int64_t timeout_ns, int32_t* error,
+                   cudaStream_t stream);
 
 // "rank 1 did not arrive in phase 'counts' within the timeout" for a nonzero error code.
 std::string describe_error(int32_t code);

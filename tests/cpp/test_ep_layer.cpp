@@ -242,10 +242,9 @@ class EpLayerGpu : public megamoe_test::MultiGpuTest {
         CUDA_OK(cudaMemsetAsync(rk.dw1, 0xFF, e_local * 2 * I * H * 2, streams_[r]));
         CUDA_OK(cudaMemsetAsync(rk.acc1, 0, e_local * 2 * I * H * 4, streams_[r]));
         CUDA_OK(cudaMemsetAsync(rk.acc2, 0, e_local * H * I * 4, streams_[r]));
-        const megamoe::ep::WeightGrad g1 = saved ? megamoe::ep::WeightGrad{rk.acc1, true}
-                                                 : megamoe::ep::WeightGrad{rk.dw1, false};
-        const megamoe::ep::WeightGrad g2 = saved ? megamoe::ep::WeightGrad{rk.acc2, true}
-                                                 : megamoe::ep::WeightGrad{rk.dw2, false};
+        using megamoe::chain::WeightGrad;
+        const WeightGrad g1 = saved ? WeightGrad::of(rk.acc1, true) : WeightGrad::of(rk.dw1, false);
+        const WeightGrad g2 = saved ? WeightGrad::of(rk.acc2, true) : WeightGrad::of(rk.dw2, false);
         megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rk.w1, rk.w2, tokens,
                               I, saved ? rk.saved_h : nullptr, rk.dx, rk.dp, g1, g2,
                               rk.bwd_workspace, rk.bwd_workspace_size, streams_[r]);

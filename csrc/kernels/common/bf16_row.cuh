@@ -1,5 +1,5 @@
 // 16-byte pieces of bf16 rows summed in fp32: the row combines of the one-GPU layer
-// (combine_rows.cu) and of the expert-parallel one (ep_layer.cu).
+// (combine_rows.cu) and of the expert-parallel one (comm/ep_combine.cu).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,0 +1,139 @@
+// Steps 6 and 7 of an expert-parallel call (ep_layer.h lists them all): each owner's
+// partial sums sent back to the tokens' ranks, and their sum there; and the poison of a
+// call skipped over capacity.
+#include "comm/ep_phases.h"
+#include "core/cuda_check.h"
+#include "kernels/common/bf16_row.cuh"
+#include "kernels/common/kernel_preload.h"
+
+namespace megamoe::ep {
+namespace {
+
+// 6. For each received token, the sum of its rows' results here (rows = this rank's
+// expert-sorted outputs; forward: weighted by the router weight, backward: the dx rows,
+// unweighted), over its slots in slot order in fp32, rounded once to bf16 and stored in its
+// source's combine area at [this rank, token]; the backward also sends each slot's d
+// topk_weights. One warp per received token; nothing when the call is skipped.
+__global__ void __launch_bounds__(kCopyThreads)
+    combine_send_kernel(const __grid_constant__ comm::PeerTable peers,
+                        const __grid_constant__ BufferLayout layout,
+                        const __nv_bfloat16* __restrict__ rows,
+                        const float* __restrict__ row_weights,  // null: 1
+                        const float* __restrict__ dp_rows,      // null: forward
+                        const int32_t* __restrict__ skip) {
+  if (*skip) return;
+  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
+  const int lane = threadIdx.x % 32;
+  char* own = peers.buffers[peers.rank];
+  const int32_t* count = at<int32_t>(own, layout.recv_token_count);
+  const int64_t tokens = int64_t(world) * layout.max_tokens;
+  const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+  for (int64_t i = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; i < tokens; i += warps) {
+    const int source = static_cast<int>(i / layout.max_tokens);
+    if (i - int64_t(source) * layout.max_tokens >= count[source]) continue;
+    const int64_t t = at<int32_t>(own, layout.recv_token_source)[i];
+    const int32_t my_row = lane < k ? at<int32_t>(own, layout.recv_slot_row)[i * k + lane] : -1;
+    const float my_weight = my_row >= 0 && row_weights != nullptr ? row_weights[my_row] : 1.f;
+    char* dst = peers.buffers[source];
+    auto* out = at<__nv_bfloat16>(dst, layout.combine_rows) +
+                (int64_t(peers.rank) * layout.max_tokens + t) * H;
+    for (int c = lane * 8; c < H; c += 32 * 8) {
+      float acc[8] = {};
+      for (int j0 = 0; j0 < k; j0 += kCopyBatch) {  // kCopyBatch rows' loads in flight, then in order
+        uint4 v[kCopyBatch];
+        float w[kCopyBatch];
+#pragma unroll
+        for (int b = 0; b < kCopyBatch; ++b) {
+          const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
+          w[b] = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
+          const bool used = j0 + b < k && row >= 0;
+          v[b] = used ? *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c)
+                      : make_uint4(0, 0, 0, 0);
+          if (!used) w[b] = 0.f;
+        }
+#pragma unroll
+        for (int b = 0; b < kCopyBatch; ++b) fma_row(acc, w[b], v[b]);
+      }
+      *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
+    }
+    if (dp_rows != nullptr && my_row >= 0) at<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[my_row];
+  }
+  __threadfence_system();
+}
+
+// 7. y (backward: dx) of each of this rank's tokens: the owners' partial rows in rank order,
+// summed in fp32; with d_topk_weights, also each valid slot's value from its owner (0 for
+// an id of -1). One warp per token.
+__global__ void __launch_bounds__(kCopyThreads)
+    final_combine_kernel(const __grid_constant__ comm::PeerTable peers,
+                         const __grid_constant__ BufferLayout layout,
+                         const int32_t* __restrict__ token_pos,
+                         const int32_t* __restrict__ slot_row, int64_t T,
+                         __nv_bfloat16* __restrict__ out, float* __restrict__ d_topk_weights) {
+  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
+  const int lane = threadIdx.x % 32;
+  const char* own = peers.buffers[peers.rank];
+  const auto* partial = reinterpret_cast<const __nv_bfloat16*>(own + layout.combine_rows);
+  const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+  for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+    for (int c = lane * 8; c < H; c += 32 * 8) {
+      float acc[8] = {};
+      for (int d = 0; d < world; ++d) {
+        if (token_pos[t * world + d] < 0) continue;
+        fma_row(acc, 1.f, *reinterpret_cast<const uint4*>(
+                               partial + (int64_t(d) * layout.max_tokens + t) * H + c));
+      }
+      *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
+    }
+    if (d_topk_weights != nullptr && lane < k) {
+      const int64_t s = t * k + lane;
+      d_topk_weights[s] =
+          slot_row[s] >= 0 ? reinterpret_cast<const float*>(own + layout.combine_dp)[s] : 0.f;
+    }
+  }
+}
+
+// A skipped call (capacity) must not look like a result.
+template <class T>
+__global__ void poison_if_skipped_kernel(T* out, int64_t n, const int32_t* skip) {
+  if (*skip == 0) return;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = T(__int_as_float(0x7fc00000));
+  }
+}
+
+template <class T>
+void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
+  if (out == nullptr || n == 0) return;
+  poison_if_skipped_kernel<T><<<c.sms, 256, 0, stream>>>(out, n, c.w.skip);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&combine_send_kernel);
+
+}  // namespace
+
+void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
+                  const float* dp_rows, cudaStream_t stream) {
+  combine_send_kernel<<<c.copy_blocks, kCopyThreads, 0, stream>>>(c.g.peers, c.buffer, rows,
+                                                                  row_weights, dp_rows, c.w.skip);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
+                   cudaStream_t stream) {
+  if (c.T == 0) return;
+  final_combine_kernel<<<c.copy_blocks, kCopyThreads, 0, stream>>>(
+      c.g.peers, c.buffer, c.w.token_pos, c.w.local.plan.slot_row, c.T, out, d_topk_weights);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void poison_if_skipped(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
+  poison(c, out, n, stream);
+}
+void poison_if_skipped(const Call& c, float* out, int64_t n, cudaStream_t stream) {
+  poison(c, out, n, stream);
+}
+
+}  // namespace megamoe::ep

@@ -1,0 +1,121 @@
+// Step 4 of an expert-parallel call (ep_layer.h lists them all): every token's rows to the
+// ranks that own its experts, by peer stores.
+#include "comm/ep_phases.h"
+#include "core/cuda_check.h"
+#include "kernels/common/kernel_preload.h"
+
+namespace megamoe::ep {
+namespace {
+
+// One warp copies a row of `hidden` bf16 to several places (16 bytes per lane, kCopyBatch
+// loads in flight before the stores); dst(i) gives the i-th destination row or null.
+template <class Destination>
+__device__ __forceinline__ void copy_row_to(const __nv_bfloat16* src, int hidden, int lane,
+                                            int count, Destination dst) {
+  const auto* s = reinterpret_cast<const uint4*>(src);
+  const int n = hidden / 8;
+  for (int base = lane; base < n; base += 32 * kCopyBatch) {
+    uint4 v[kCopyBatch];
+#pragma unroll
+    for (int b = 0; b < kCopyBatch; ++b) {
+      if (base + 32 * b < n) v[b] = s[base + 32 * b];
+    }
+    for (int i = 0; i < count; ++i) {
+      auto* d = reinterpret_cast<uint4*>(dst(i));
+      if (d == nullptr) continue;
+#pragma unroll
+      for (int b = 0; b < kCopyBatch; ++b) {
+        if (base + 32 * b < n) d[base + 32 * b] = v[b];
+      }
+    }
+  }
+}
+
+// 4. Each token once to each rank that owns one of its experts: the x row (backward: and
+// the dy row) into this rank's section of the owner's received tokens, and for each of
+// its slots there the owner row (send_base: the expert-sorted layout), the router weight
+// and the token's index on the owner. One warp per token.
+template <class Id>
+__global__ void __launch_bounds__(kCopyThreads)
+    dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
+                    const __grid_constant__ BufferLayout layout,
+                    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
+                    const Id* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+                    const int32_t* __restrict__ slot_row,
+                    const int32_t* __restrict__ expert_offsets,
+                    const int32_t* __restrict__ send_base, const int32_t* __restrict__ token_pos,
+                    const int32_t* __restrict__ token_count, const int32_t* __restrict__ skip,
+                    int64_t T, int32_t experts_per_rank) {
+  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
+  if (*skip == 0) {
+    if (blockIdx.x == 0 && threadIdx.x < world) {
+      at<int32_t>(peers.buffers[threadIdx.x], layout.recv_token_count)[peers.rank] =
+          token_count[threadIdx.x];
+    }
+    const int lane = threadIdx.x % 32;
+    const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+    for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+      int64_t id = -1, slot_owner = -1;
+      int32_t r = -1;
+      if (lane < k) {
+        r = slot_row[t * k + lane];
+        if (r >= 0) {
+          id = static_cast<int64_t>(topk_ids[t * k + lane]);
+          slot_owner = id / experts_per_rank;
+        }
+      }
+      // The rows, read once, to every destination rank.
+      const auto to = [&](size_t area) {
+        return [&, area](int d) -> __nv_bfloat16* {
+          const int32_t pos = token_pos[t * world + d];
+          if (pos < 0) return nullptr;
+          return at<__nv_bfloat16>(peers.buffers[d], area) +
+                 (int64_t(peers.rank) * layout.max_tokens + pos) * H;
+        };
+      };
+      copy_row_to(x + t * H, H, lane, world, to(layout.recv_x));
+      if (dy != nullptr) copy_row_to(dy + t * H, H, lane, world, to(layout.recv_dy));
+      for (int d = 0; d < world; ++d) {
+        const int32_t pos = token_pos[t * world + d];
+        if (pos < 0) continue;
+        char* dst = peers.buffers[d];
+        const int64_t i = int64_t(peers.rank) * layout.max_tokens + pos;  // token index there
+        if (lane < k) {
+          int32_t row = -1;
+          if (slot_owner == d) {
+            row = send_base[id] + (r - expert_offsets[id]);
+            at<int32_t>(dst, layout.recv_row_token)[row] = static_cast<int32_t>(i);
+            at<float>(dst, layout.recv_weight)[row] = topk_weights[t * k + lane];
+          }
+          at<int32_t>(dst, layout.recv_slot_row)[i * k + lane] = row;
+        }
+        if (lane == 0) at<int32_t>(dst, layout.recv_token_source)[i] = static_cast<int32_t>(t);
+      }
+    }
+  }
+  __threadfence_system();  // before the phase kernel's release signal
+}
+
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(&dispatch_kernel<int32_t>);
+
+}  // namespace
+
+void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
+              const void* topk_ids, bool ids_are_int64, const float* topk_weights,
+              cudaStream_t stream) {
+  const auto launch = [&](auto* ids) {
+    dispatch_kernel<<<c.copy_blocks, kCopyThreads, 0, stream>>>(
+        c.g.peers, c.buffer, x, dy, ids, topk_weights, c.w.local.plan.slot_row,
+        c.w.local.plan.expert_offsets, c.w.send_base, c.w.token_pos, c.w.token_count, c.w.skip,
+        c.T, static_cast<int32_t>(c.e_local));
+  };
+  if (ids_are_int64) {
+    launch(static_cast<const int64_t*>(topk_ids));
+  } else {
+    launch(static_cast<const int32_t*>(topk_ids));
+  }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace megamoe::ep

@@ -1,0 +1,100 @@
+// Where the expert-parallel layer keeps everything, in one place: each rank's symmetric
+// buffer (the same offsets on every rank, so a rank finds a peer's area at the peer's base
+// plus the offset) and the device workspace of one call. Host code carves both
+// (ep_layout.cpp, the size queries with the same code); the kernels of every phase
+// (ep_plan.cu, ep_dispatch.cu, ep_combine.cu) take the buffer layout by value.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "chain/expert_chain.h"
+#include "comm/peer_exchange.h"
+#include "core/workspace.h"
+#include "kernels/common/routing_plan.h"
+
+namespace megamoe::ep {
+
+struct Group {
+  comm::PeerTable peers;
+  int64_t num_experts;       // E, global; a multiple of world_size
+  int64_t max_tokens;        // per rank and call
+  int64_t topk;
+  int64_t hidden;
+  int64_t max_recv_rows;     // (token, expert) rows a rank can receive per call
+  int64_t timeout_ns;
+  int32_t comm_sms;          // SMs of the kernels that move rows between ranks; 0: all
+};
+
+// Throws INVALID_ARGUMENT for a group the layer cannot run (rank, buffers, sizes).
+void check_group(const Group& g);
+
+constexpr int kPlanThreads = 256;  // tokens per block of the token plan
+constexpr int kCopyThreads = 256;  // threads per block of the kernels that move rows
+constexpr int kCopyBatch = 4;      // 16-byte loads a lane has in flight before it stores
+
+// Each rank's symmetric buffer: byte offsets of its areas, and the sizes the kernels index
+// them by. W ranks, T = max_tokens, R = max_recv_rows.
+struct BufferLayout {
+  size_t recv_x;             // bf16 [W * T, H] received tokens, a section per source
+  size_t recv_dy;            // bf16 [W * T, H] their dy rows (backward)
+  size_t recv_token_count;   // int32 [8] tokens received from each source in this call
+  size_t recv_token_source;  // int32 [W * T] each received token's index on its source
+  size_t recv_slot_row;      // int32 [W * T, k] row here of each slot, -1 elsewhere
+  size_t recv_row_token;     // int32 [R] received token of each row here
+  size_t recv_weight;        // fp32 [R] router weight of each row here
+  size_t combine_rows;       // bf16 [W, T, H] each owner's partial sum per token
+  size_t combine_dp;         // fp32 [T * k] d topk_weights of each slot (backward)
+  int32_t hidden, topk, max_tokens;
+  size_t control;            // comm::ControlLayout, at offset 0 where peer_exchange has it
+  size_t error;              // int32: 0, or a comm::describe_error code of this rank's last call
+  size_t total;
+};
+BufferLayout buffer_layout(const Group& g);  // checks the group
+
+// An area of a rank's buffer (`base`: that rank's buffer as this process sees it).
+template <class T>
+__host__ __device__ __forceinline__ T* at(char* base, size_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+enum class Pass { kForward, kBackward, kBackwardSavedH };
+
+// One call's device workspace (caller-allocated, no initialisation). R = max_recv_rows.
+struct CallWorkspace {
+  RoutingPlanWorkspace local;        // this rank's slots over all E experts
+  int32_t* recv_expert_offsets;      // [E/W + 1] the received rows' plan (with recv_row_token)
+  int32_t* recv_tile_offsets;        // [E/W + 1]
+  int32_t* send_base;                // [E] first row of this rank's rows of e on e's owner
+  int32_t* skip;                     // [1] nonzero: over capacity, nothing is sent
+  int32_t* token_pos;                // [T, W] each token's place among those sent to a rank
+  int32_t* token_count;              // [8] tokens sent to each rank
+  int32_t* block_counts;             // [token-plan blocks, W]
+  chain::ForwardBuffers forward;     // forward: the chain over the R received rows
+  // Backward: [R] 0, 1, ...: each received row is its own slot (its router weight is
+  // recv_weight[row]); [R] d topk_weights of each received row; the chain's buffers.
+  int32_t* identity;
+  float* dp_rows;
+  chain::BackwardBuffers backward;
+};
+// For T tokens on this rank and intermediate size I; the size query carves with a
+// counting carver.
+CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t I, Pass pass);
+
+// What the phases of one call share.
+struct Call {
+  Group g;
+  BufferLayout buffer;
+  CallWorkspace w;
+  int64_t T;            // this rank's tokens
+  int64_t e_local;      // experts per rank
+  int32_t* error;       // this rank's error word
+  int sms;
+  int copy_blocks;      // of the kernels that move rows between ranks
+  char* own() const { return g.peers.buffers[g.peers.rank]; }
+};
+Call begin_call(const Group& g, const CallWorkspace& w, int64_t T);
+
+}  // namespace megamoe::ep

@@ -1,0 +1,45 @@
+// The phases of one expert-parallel call, in the order ep_layer.cpp runs them (the steps
+// are numbered as in ep_layer.h). Each launches on `stream` only: no host sync.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "comm/ep_layout.h"
+
+namespace megamoe::ep {
+
+// ep_plan.cu, steps 1-3: the local routing plan and the token plan, the counts exchange,
+// the received rows' offsets, send_base and the capacity verdict (skip, and the error word).
+void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t stream);
+
+// out[i] = i for i < n: the received rows' row -> slot map in the backward.
+void fill_identity(const Call& c, int32_t* out, int64_t n, cudaStream_t stream);
+
+// ep_dispatch.cu, step 4: each token's x row (and dy row, unless null) once to every rank
+// that owns one of its experts, with its slots' rows, router weights and token there.
+// Nothing is sent when the call is skipped.
+void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
+              const void* topk_ids, bool ids_are_int64, const float* topk_weights,
+              cudaStream_t stream);
+
+// ep_combine.cu, step 6: per received token, its rows of `rows` (this rank's results in
+// received-row order) summed over its slots in slot order in fp32, weighted by
+// row_weights (null: 1), rounded once to bf16, into its source's combine area; with
+// dp_rows, also each slot's d topk_weights.
+void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
+                  const float* dp_rows, cudaStream_t stream);
+
+// Step 7, after the combine phase: out [T, H] = the owners' partial rows summed in rank
+// order; with d_topk_weights [T, k], each slot's value from its owner (0 for an id of -1).
+void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
+                   cudaStream_t stream);
+
+// NaN into out [n] (null: nothing) when the call was skipped over capacity: such a call
+// must not look like a result.
+void poison_if_skipped(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
+void poison_if_skipped(const Call& c, float* out, int64_t n, cudaStream_t stream);
+
+}  // namespace megamoe::ep
