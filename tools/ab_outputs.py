@@ -1,0 +1,142 @@
+"""Bitwise A/B of the fused layer's outputs between two builds of libmegamoe, for a change
+that must not change results (a refactor): the same fixed-seed problems through each build,
+every output saved, then compared bit for bit.
+
+One GPU:
+    MEGAMOE_LIBRARY=old/libmegamoe.so python3 tools/ab_outputs.py dump old.pt
+    MEGAMOE_LIBRARY=new/libmegamoe.so python3 tools/ab_outputs.py dump new.pt
+    python3 tools/ab_outputs.py compare old.pt new.pt
+Expert parallel (one process per GPU; each rank writes PATH.rankR):
+    MEGAMOE_LIBRARY=... torchrun --standalone --nproc-per-node 2 tools/ab_outputs.py dump old-ep.pt --ep
+    python3 tools/ab_outputs.py compare old-ep.pt.rank0 new-ep.pt.rank0   (and rank1)
+
+Cases: both presets' shapes at 16384 (30b) and 4096 (235b) tokens, and small awkward ones
+(k = 1, I = 384, -1 ids, an expert without tokens, one token); modes: recompute and saved,
+bf16 weight gradients and fp32 accumulators, bf16 router weights (forward only, one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "python"))
+import moe_testing  # noqa: E402
+from moe_testing import make_problem, run_with_grads  # noqa: E402
+
+import megamoe  # noqa: E402
+
+NAMES = ("x", "topk_weights", "w_gate_up", "w_down")
+# name, tokens (per rank with --ep), H, I, E, k, make_problem arguments
+CASES = [
+    ("30b", 16384, 2048, 768, 128, 8, dict(invalid_fraction=0.01)),
+    ("235b", 4096, 4096, 1536, 128, 8, {}),
+    ("k=1,I=384", 129, 256, 384, 4, 1, dict(invalid_fraction=0.1)),
+    ("unused-expert", 300, 256, 128, 8, 2, dict(invalid_fraction=0.1, skip_experts=[7])),
+    ("one-token", 1, 128, 128, 8, 8, {}),
+]
+
+
+def outputs(problem, prefix, **kwargs):
+    """y and every gradient in three modes: recompute, saved, saved with fp32 accumulators."""
+    out = {}
+    for mode in ("recompute", "saved"):
+        y, grads = run_with_grads(megamoe.moe, problem, backward_mode=mode, **kwargs)
+        out[f"{prefix}/{mode}/y"] = y
+        out.update({f"{prefix}/{mode}/d{n}": g for n, g in grads.items()})
+    accs = tuple(torch.full(problem[n].shape, 0.25, dtype=torch.float32,
+                            device=problem[n].device) for n in ("w_gate_up", "w_down"))
+    y, grads = run_with_grads(megamoe.moe, problem, backward_mode="saved",
+                              weight_grad_accumulators=accs, **kwargs)
+    out[f"{prefix}/fp32acc/y"] = y
+    out[f"{prefix}/fp32acc/dx"] = grads["x"]
+    out[f"{prefix}/fp32acc/dtopk_weights"] = grads["topk_weights"]
+    out[f"{prefix}/fp32acc/acc_gate_up"], out[f"{prefix}/fp32acc/acc_down"] = accs
+    return out
+
+
+def dump_one_gpu(seed):
+    out = {}
+    for i, (name, T, H, I, E, k, extra) in enumerate(CASES):
+        p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=seed + i,
+                         **extra)
+        out.update(outputs(p, name, backend="fused"))
+        bf16_weights = dict(p, topk_weights=p["topk_weights"].to(torch.bfloat16))
+        with torch.no_grad():
+            out[f"{name}/bf16-weights/y"] = megamoe.moe(
+                *(bf16_weights[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up",
+                                             "w_down")), backend="fused")
+        print(f"{name}: done", flush=True)
+    return out
+
+
+def dump_ep(seed):
+    import torch.distributed as dist
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    out = {}
+    for i, (name, T, H, I, E, k, extra) in enumerate(CASES):
+        if E % world:
+            continue
+        p = make_problem(T * world, H, I, E, k, dtype=torch.bfloat16, device=device,
+                         seed=seed + i, **extra)
+        E_local = E // world
+        tokens, experts = slice(rank * T, (rank + 1) * T), slice(rank * E_local, (rank + 1) * E_local)
+        mine = {n: p[n][tokens].contiguous() for n in ("x", "topk_ids", "topk_weights", "dy")}
+        mine.update({n: p[n][experts].contiguous() for n in ("w_gate_up", "w_down")})
+        buf = megamoe.Buffer(group, T, H, I, E, k)
+        out.update(outputs(mine, name, group=group, buffer=buf, backend="fused"))
+        torch.cuda.synchronize()
+        buf.check()
+        buf.close()
+        if rank == 0:
+            print(f"{name}: done", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out, rank
+
+
+def compare(a_path, b_path):
+    a, b = torch.load(a_path), torch.load(b_path)
+    if a.keys() != b.keys():
+        print("different outputs:", sorted(a.keys() ^ b.keys()))
+        return 1
+    differ = [n for n in a if not torch.equal(a[n], b[n])]
+    for n in a:
+        print(f"{'SAME ' if n not in differ else 'DIFF '} {n} {tuple(a[n].shape)}")
+    print(f"{len(a) - len(differ)} of {len(a)} outputs bitwise equal")
+    return 1 if differ else 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("dump", help="run the cases with this MEGAMOE_LIBRARY, save the outputs")
+    d.add_argument("path")
+    d.add_argument("--ep", action="store_true", help="expert parallel, under torchrun")
+    d.add_argument("--seed", type=int, default=20261201)
+    c = sub.add_parser("compare", help="compare two dumps bit for bit")
+    c.add_argument("a")
+    c.add_argument("b")
+    args = parser.parse_args()
+    if args.command == "compare":
+        sys.exit(compare(args.a, args.b))
+    moe_testing.BASE_SEED = args.seed
+    if args.ep:
+        out, rank = dump_ep(0)
+        path = f"{args.path}.rank{rank}"
+    else:
+        out, path = dump_one_gpu(0), args.path
+    torch.save({n: t.detach().cpu() for n, t in out.items()}, path)
+    print(f"wrote {len(out)} outputs to {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
