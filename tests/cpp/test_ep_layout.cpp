@@ -82,15 +82,7 @@ TEST(EpLayout, BufferAreasAreDisjointAndSized) {
     EXPECT_EQ(b.max_tokens, s.max_tokens);
 
     // What the C ABI reports is this layout.
-    megamoe_ep_group abi{};
-    abi.rank = s.rank;
-    abi.world_size = s.world;
-    abi.num_experts = s.E;
-    abi.max_tokens_per_rank = s.max_tokens;
-    abi.topk = s.k;
-    abi.hidden = s.H;
-    abi.max_recv_rows = s.R;
-    abi.timeout_ns = 1000;
+    const megamoe_ep_group abi{s.rank, s.world, {}, 0, s.E, s.max_tokens, s.k, s.H, s.R, 1000, 0};
     size_t bytes = 0, error = 0;
     ASSERT_EQ(megamoe_ep_buffer_size(&abi, &bytes), MEGAMOE_SUCCESS) << megamoe_last_error();
     ASSERT_EQ(megamoe_ep_error_offset(&abi, &error), MEGAMOE_SUCCESS) << megamoe_last_error();
