@@ -21,6 +21,7 @@ FUSED_MAX_TOPK = 16
 FUSED_MAX_EXPERTS = 1024
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_GROUPED_MM_CPU_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,43 @@ def check_backend_and_precision(backend: str, precision: str) -> None:
 
 
 def _tensor(name, value):
+    # Any strides are accepted: megamoe.moe makes a dense copy where a backend needs one.
     if not isinstance(value, torch.Tensor):
         raise MegaMoEError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if not value.is_contiguous():
-        raise MegaMoEError(f"{name}: expected a contiguous tensor (call .contiguous()), "
-                           f"got shape {tuple(value.shape)} with strides {value.stride()}")
     return value
+
+
+def dense_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, backend):
+    """The call's tensors, each replaced by a contiguous copy when it is not contiguous.
+
+    The library's kernels and the C++ reference read dense row-major memory. A copy is
+    cheap next to the layer and is differentiable, so a strided input gives the same
+    result and gradients as its contiguous copy. backend="fused" and "torch" on CUDA also
+    read the rows of x and the weights with 16-byte vector loads and TMA, so such a
+    contiguous view whose start is not 16-byte aligned (a slice at an odd offset) is copied
+    too; the kernels would refuse it."""
+    rows_aligned = backend != "reference" and x.is_cuda
+    return (_dense(x, rows_aligned), _dense(topk_ids, False), _dense(topk_weights, False),
+            _dense(w_gate_up, rows_aligned), _dense(w_down, rows_aligned))
+
+
+def _dense(t, needs_alignment):
+    if not t.is_contiguous():
+        return t.contiguous()
+    if needs_alignment and _misaligned(t):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _misaligned(t) -> bool:
+    # While torch.compile traces, tensors have no data pointer; the op then gets what the
+    # compiled graph allocates, and the library still refuses a misaligned pointer.
+    if torch.compiler.is_compiling() or t.numel() == 0:
+        return False
+    try:
+        return t.data_ptr() % 16 != 0
+    except RuntimeError:  # fake or functional tensors outside dynamo
+        return False
 
 
 def _shape(name, value, expected, how):
@@ -78,7 +110,8 @@ def _group_size(group):
 
 
 def check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend) -> Problem:
-    """Validates shapes, dtypes, devices and layout; returns the problem's sizes."""
+    """Validates shapes, dtypes and devices; returns the problem's sizes. Strides are not
+    checked: see dense_inputs."""
     for name, value in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
                         ("w_gate_up", w_gate_up), ("w_down", w_down)):
         _tensor(name, value)
@@ -133,6 +166,10 @@ def _check_backend_limits(problem: Problem, x, backend, group):
         _check_fused_limits(problem, x, group)
     if backend == "torch" and x.is_cuda:
         _require_bf16_and_dims("torch", x, H, I, TORCH_DIM_MULTIPLE)
+    if backend == "torch" and not x.is_cuda and x.dtype not in _GROUPED_MM_CPU_FLOATS:
+        raise MegaMoEError(f"backend='torch' on {x.device} runs torch._grouped_mm, which takes "
+                           f"float32, bfloat16 or float16, got x in {x.dtype}; use "
+                           "backend='reference' for float64")
 
 
 def _require_bf16_and_dims(backend, x, H, I, multiple):

@@ -43,11 +43,19 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             the weight gradients into them in fp32 (gradient accumulation without a bf16
             round trip), and those weights then get no .grad from this call.
 
+    Every tensor may have any strides (views, transposes, expanded tensors): the backends
+    get a contiguous copy of an input that is not contiguous (and "fused"/"torch" on CUDA
+    of x or a weight that does not start 16-byte aligned), and gradients flow back through
+    the copy to the tensor given. The weight gradient accumulators are the exception: they
+    are written in place, so they must be contiguous.
+
     Returns y [T, H] in x's dtype. Gradients flow to x, topk_weights, w_gate_up, w_down.
     """
     _validate.check_backend_and_precision(backend, precision)
     _validate.check_weight_grad_accumulators(weight_grad_accumulators, w_gate_up, w_down, backend)
     problem = _validate.check_call(x, topk_ids, topk_weights, w_gate_up, w_down, group, backend)
+    x, topk_ids, topk_weights, w_gate_up, w_down = _validate.dense_inputs(
+        x, topk_ids, topk_weights, w_gate_up, w_down, backend)
     if backward_mode not in BACKWARD_MODES:
         raise MegaMoEError(f"backward_mode: expected one of {BACKWARD_MODES}, got {backward_mode!r}")
     _validate.check_ep_buffer(buffer, problem, group, backend, x)
