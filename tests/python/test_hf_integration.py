@@ -63,6 +63,12 @@ FAMILIES = {
         topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1),
         transformers.DeepseekV3ForCausalLM),
+    "qwen3_next": lambda: (transformers.Qwen3NextConfig(
+        **COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"]),
+        transformers.Qwen3NextForCausalLM),
 }
 
 
