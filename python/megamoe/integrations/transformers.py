@@ -9,15 +9,16 @@ interface; importing this module registers megamoe there as ``"megamoe"``::
     # or, on a model already built: model.set_experts_implementation("megamoe")
     mt.configure(model, backend="fused", backward_mode="saved")   # optional
 
-Options (``configure``; the first three also from the environment, read when this module
-is imported): ``backend`` (``MEGAMOE_BACKEND``): "auto" (default: "fused" for CUDA inputs,
-"reference" for CPU ones), "fused", "torch" or "reference"; ``precision``
+Options (``configure``, and for the defaults environment variables, read when this
+module is imported): ``backend`` (``MEGAMOE_BACKEND``): "auto" (default: "fused" for CUDA
+inputs, "reference" for CPU ones), "fused", "torch" or "reference"; ``precision``
 (``MEGAMOE_PRECISION``, default "bf16"); ``backward_mode`` (``MEGAMOE_BACKWARD_MODE``,
 "recompute" or "saved", used by "fused"); ``on_unsupported`` (``MEGAMOE_ON_UNSUPPORTED``):
 "error" (default) or "fallback" (run transformers' own implementation, with a warning
 saying why, once per reason); ``group`` and ``buffer``: expert parallelism, as in
-``megamoe.moe``. Settings made on a model override the process-wide ones, which override
-the environment, which overrides the defaults.
+``megamoe.moe`` (each rank's experts module holds its E/W experts; the ids stay global).
+Settings made on a model override the process-wide ones, which override the environment,
+which overrides the defaults.
 
 megamoe serves experts modules with transformers' default layout and gating:
 gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], no biases, SiLU gating
@@ -56,7 +57,7 @@ except (ImportError, AttributeError) as _err:  # no transformers, or one without
         "pip install 'megamoe[hf]'") from _err
 
 __all__ = ["Options", "configure", "reset", "options", "register", "experts_forward",
-           "is_experts_module", "MegaMoEFallbackWarning", "ENVIRONMENT_VARIABLES"]
+           "shard_experts", "is_experts_module", "MegaMoEFallbackWarning", "ENVIRONMENT_VARIABLES"]
 
 BACKENDS = ("auto",) + _validate.BACKENDS
 BACKWARD_MODES = ("recompute", "saved")
@@ -357,15 +358,66 @@ def _unsupported(module, opts: Options, world: int, reason: str, args, *, backen
                        "own implementation run it")
 
 
+# How the configs of transformers' MoE families name the total number of routed experts.
+_CONFIG_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _global_experts(module) -> int | None:
+    """The model's number of routed experts, from the module's config (None if unknown)."""
+    config = getattr(module, "config", None)
+    for name in _CONFIG_EXPERT_COUNTS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _check_expert_split(module, local_experts: int, world: int) -> None:
-    total = getattr(module, "num_experts", None)
-    if world > 1 and isinstance(total, int) and total != local_experts * world:
-        share = total // world
+    """Each rank of an EP group holds E/W experts; without a group, a module that holds
+    fewer experts than it counts was sliced for expert parallelism that is not configured
+    (transformers' own expert parallelism counts only the local ones: it passes)."""
+    if world > 1:
+        total = _global_experts(module)
+        if total is not None and total != local_experts * world:
+            share = total // world
+            raise MegaMoEError(
+                f"{type(module).__name__} holds {local_experts} experts of {total}; with an "
+                f"expert-parallel group of {world} ranks each rank must hold its {share}: "
+                f"rank r keeps experts [r*{share}, (r+1)*{share}) of gate_up_proj and "
+                "down_proj (shard_experts(model, group) does it)")
+        return
+    counted = getattr(module, "num_experts", None)
+    if isinstance(counted, int) and counted != local_experts:
         raise MegaMoEError(
-            f"{type(module).__name__} holds {local_experts} experts of num_experts={total}; "
-            f"with an expert-parallel group of {world} ranks each rank must hold its "
-            f"{share}: rank r keeps experts [r*{share}, (r+1)*{share}) of gate_up_proj and "
-            "down_proj")
+            f"{type(module).__name__} holds {local_experts} experts but counts "
+            f"num_experts={counted}: experts sliced for expert parallelism need "
+            "configure(group=...)")
+
+
+def shard_experts(model, group) -> None:
+    """Expert parallelism: keeps in every experts module of `model` only this rank's experts
+    (rank r of W: [r*E/W, (r+1)*E/W), as new Parameters; build the optimizer afterwards)
+    and configures `group` on them. The router and the rest of the model are untouched."""
+    import torch.distributed as dist
+    modules = _experts_modules(model)
+    given = _given(None, None, None, group, None, None)
+    if "group" not in given:
+        raise MegaMoEError("group: expected the expert-parallel ProcessGroup, got None")
+    world, rank = _world_size(group), dist.get_rank(group)
+    for module in modules:
+        total = _global_experts(module) or module.gate_up_proj.shape[0]
+        held = module.gate_up_proj.shape[0]
+        if held != total:
+            raise MegaMoEError(f"model: {type(module).__name__} holds {held} of {total} "
+                               "experts; it is sharded already")
+        if total % world:
+            raise MegaMoEError(f"group: {total} experts do not split over {world} ranks")
+        share = total // world
+        for name in _WEIGHTS:
+            weight = getattr(module, name)
+            local = weight.detach()[rank * share:(rank + 1) * share].clone()
+            setattr(module, name, nn.Parameter(local, requires_grad=weight.requires_grad))
+    configure(model, group=group)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -396,6 +448,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if weights.dtype not in (torch.float32, torch.bfloat16) and not (
             backend == "reference" and weights.dtype == torch.float64):
         weights = weights.float()
+    _check_expert_split(self, w_gate_up.shape[0], world)
     problem = _call_problem(x, ids, weights, w_gate_up, w_down, opts, backend)
     if problem is not None:
         hint = ""
@@ -404,7 +457,6 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                     "torch.autocast('cuda', dtype=torch.bfloat16))")
         return _unsupported(self, opts, world, f"with backend={backend!r}: {problem}{hint}",
                             args, backend=backend)
-    _check_expert_split(self, w_gate_up.shape[0], world)
     if opts.group is None:
         # transformers' expert-parallel router marks a slot owned by another rank with the
         # id num_local_experts; its implementations skip such slots, as megamoe skips -1.
