@@ -466,17 +466,6 @@ def test_fallback_runs_transformers_and_warns_once(case, moe_calls):
         _loss_and_grads(model, "megamoe", tokens)  # said once
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_expert_parallel_group_of_one_rank(one_rank_group, moe_calls):
     model = _model(seed=13, config=_qwen3_config(num_hidden_layers=1))
     tokens = _tokens(seed=13)
@@ -629,45 +618,47 @@ def _assert_close(loss, grads, ref_loss, ref_grads, tol=BF16_TOL):
     assert not bad, bad
 
 
+def _gpu_against_grouped_mm(seed, backend, backward_mode, setup=None, steps=1):
+    """A bf16 model's loss and gradients through "megamoe" against "grouped_mm"; `setup`
+    prepares the model after the reference ran and returns the forward to use (or None)."""
+    model = _gpu_model(seed=seed)
+    tokens = _tokens(seed=seed, batch=4, length=128, device="cuda")
+    ref = _loss_and_grads(model, "grouped_mm", tokens)
+    forward = setup(model) if setup is not None else None
+    mt.configure(model, backend=backend, backward_mode=backward_mode)
+    for _ in range(steps):
+        got = _loss_and_grads(model, "megamoe", tokens, forward=forward)
+    _assert_close(*got, *ref)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,backward_mode", [("fused", "recompute"), ("fused", "saved"),
                                                    ("auto", "recompute"), ("torch", "recompute")])
 def test_gpu_bf16_matches_grouped_mm(backend, backward_mode, moe_calls):
-    model = _gpu_model()
-    tokens = _tokens(seed=20, batch=4, length=128, device="cuda")
-    ref = _loss_and_grads(model, "grouped_mm", tokens)
-    mt.configure(model, backend=backend, backward_mode=backward_mode)
-    got = _loss_and_grads(model, "megamoe", tokens)
+    _gpu_against_grouped_mm(20, backend, backward_mode)
     assert moe_calls == ["torch" if backend == "torch" else "fused"] * 2
-    _assert_close(*got, *ref)
 
 
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backward_mode", ["recompute", "saved"])
 def test_gpu_compiled_model(backward_mode):
-    model = _gpu_model(seed=21)
-    tokens = _tokens(seed=21, batch=4, length=128, device="cuda")
-    ref = _loss_and_grads(model, "grouped_mm", tokens)
-    mt.configure(model, backend="fused", backward_mode=backward_mode)
-    compiled = torch.compile(model)
-    for _ in range(2):  # the second step runs the compiled code without tracing
-        got = _loss_and_grads(model, "megamoe", tokens, forward=compiled)
-    _assert_close(*got, *ref)
+    # Two steps: the second runs the compiled code without tracing.
+    _gpu_against_grouped_mm(21, "fused", backward_mode, setup=torch.compile, steps=2)
+
+
+def _checkpointed(model):
+    model.train()
+    model.gradient_checkpointing_enable()
+    return None
 
 
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backward_mode", ["recompute", "saved"])
 def test_gpu_gradient_checkpointing(backward_mode):
-    model = _gpu_model(seed=22)
-    model.train()
-    tokens = _tokens(seed=22, batch=4, length=128, device="cuda")
-    ref = _loss_and_grads(model, "grouped_mm", tokens)
-    model.gradient_checkpointing_enable()
-    mt.configure(model, backend="fused", backward_mode=backward_mode)
-    _assert_close(*_loss_and_grads(model, "megamoe", tokens), *ref)
+    _gpu_against_grouped_mm(22, "fused", backward_mode, setup=_checkpointed)
 
 
 @needs_cuda

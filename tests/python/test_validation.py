@@ -130,18 +130,6 @@ def test_weight_grad_accumulators_need_the_fused_backend():
         megamoe.moe(**_args(), backend="reference", weight_grad_accumulators=acc)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo process group of one rank (CPU), for the Buffer's argument checks."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_comm_sms=0), "num_comm_sms must be a positive int or None"),
     (dict(num_comm_sms=2.5), "num_comm_sms must be a positive int or None"),

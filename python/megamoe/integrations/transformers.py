@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _validate
+from .._fused_op import BACKWARD_MODES
 from ..buffer import Buffer
 from ..errors import MegaMoEError
 from ..ops import moe
@@ -56,11 +57,16 @@ except (ImportError, AttributeError) as _err:  # no transformers, or one without
         "interface, transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS): "
         "pip install 'megamoe[hf]'") from _err
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = None
+
 __all__ = ["Options", "configure", "reset", "options", "register", "experts_forward",
-           "shard_experts", "is_experts_module", "MegaMoEFallbackWarning", "ENVIRONMENT_VARIABLES"]
+           "shard_experts", "is_experts_module", "MegaMoEFallbackWarning",
+           "ENVIRONMENT_VARIABLES"]
 
 BACKENDS = ("auto",) + _validate.BACKENDS
-BACKWARD_MODES = ("recompute", "saved")
 ON_UNSUPPORTED = ("error", "fallback")
 ENVIRONMENT_VARIABLES = {
     "backend": "MEGAMOE_BACKEND",
@@ -215,7 +221,8 @@ def register(name: str = "megamoe") -> None:
     if current is experts_forward:
         return
     # Another implementation keeps its name; ours (from before a reload) is replaced.
-    if name == "eager" or (current is not None and getattr(current, "__module__", None) != __name__):
+    theirs = current is not None and getattr(current, "__module__", None) != __name__
+    if name == "eager" or theirs:
         owner = getattr(current, "__module__", "transformers")
         raise MegaMoEError(f"name: {name!r} is already an experts implementation (of {owner}); "
                            "choose another name")
@@ -243,7 +250,8 @@ def _describe(obj) -> str:
 
 def _custom_gate(module) -> bool:
     default = getattr(_hf_moe, "_default_apply_gate", None)
-    return "_apply_gate" in module.__dict__ or getattr(type(module), "_apply_gate", None) is not default
+    return ("_apply_gate" in module.__dict__
+            or getattr(type(module), "_apply_gate", None) is not default)
 
 
 def _module_problems(module) -> list[str]:
@@ -285,11 +293,7 @@ def _module_problems(module) -> list[str]:
 
 
 def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def _world_size(group) -> int:
