@@ -122,9 +122,10 @@ def test_strided_inputs_gpu(backend, layout):
                      invalid_fraction=0.05)
     layouts = LAYOUTS if layout == "strided" else {
         n: _misaligned_contiguous for n in ("x", "w_gate_up", "w_down")}
-    # fused and the CUDA reference are deterministic: bitwise equal. The torch baseline's
-    # grouped GEMMs and scatter-adds may pick other reduction orders on other layouts.
-    tol = 1e-2 if backend == "torch" else 0.0
+    # fused is bitwise reproducible and gets the same dense copies: bitwise equal. The CUDA
+    # reference (float32 matmuls) reads a misaligned view as it is, where cuBLAS may pick
+    # other kernels; the torch baseline's scatter-adds use atomics.
+    tol = {"fused": 0.0, "reference": 1e-6, "torch": 1e-2}[backend]
     check_strided_matches_dense(p, backend, layouts, tol=tol)
     if backend == "fused":
         check_strided_matches_dense(p, backend, layouts, tol=0.0, backward_mode="saved")
