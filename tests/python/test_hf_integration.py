@@ -594,7 +594,7 @@ def test_options_precedence(monkeypatch):
 
 GPU_SHAPES = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-                  num_experts_per_tok=2, num_hidden_layers=2)
+                  num_experts_per_tok=2, num_hidden_layers=2, max_position_embeddings=256)
 BF16_TOL = 2e-2
 
 
