@@ -592,9 +592,14 @@ def test_options_precedence(monkeypatch):
 
 # -- GPU -------------------------------------------------------------------------------------
 
+# One MoE layer: its router sees the same input under every implementation. A second
+# layer's router would see the first one's bf16 rounding and flip near-tied top-k choices,
+# which moves the gradients far beyond bf16 noise between two bf16 implementations.
+# transformers' default init scale.
 GPU_SHAPES = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-                  num_experts_per_tok=2, num_hidden_layers=2, max_position_embeddings=256)
+                  num_experts_per_tok=2, num_hidden_layers=1, max_position_embeddings=256,
+                  initializer_range=0.02)
 BF16_TOL = 2e-2
 
 
@@ -637,7 +642,7 @@ def _gpu_against_grouped_mm(seed, backend, backward_mode, setup=None, steps=1):
                                                    ("auto", "recompute"), ("torch", "recompute")])
 def test_gpu_bf16_matches_grouped_mm(backend, backward_mode, moe_calls):
     _gpu_against_grouped_mm(20, backend, backward_mode)
-    assert moe_calls == ["torch" if backend == "torch" else "fused"] * 2
+    assert moe_calls == ["torch" if backend == "torch" else "fused"]
 
 
 @needs_cuda
@@ -672,7 +677,7 @@ def test_gpu_autocast_over_float32_weights(moe_calls):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref = _loss_and_grads(model, "eager", tokens)
         got = _loss_and_grads(model, "megamoe", tokens)
-    assert moe_calls == ["fused"] * 2
+    assert moe_calls == ["fused"]
     assert all(g.dtype == torch.float32 for g in got[1].values())
     _assert_close(*got, *ref)
     with pytest.raises(MegaMoEError, match="computes in bf16.*load the model with "
