@@ -549,6 +549,7 @@ def test_expert_parallel_two_ranks_cpu():
     (dict(on_unsupported="ignore"), r"on_unsupported: expected one of \('error', 'fallback'\)"),
     (dict(group="world"), r"group: expected a torch.distributed ProcessGroup, got str"),
     (dict(buffer=object()), r"buffer: expected a megamoe.Buffer, got object"),
+    (dict(check_ids="yes"), r"check_ids: expected True or False, got 'yes'"),
 ])
 def test_configure_checks_its_arguments(kwargs, pattern):
     with pytest.raises(MegaMoEError, match=pattern):
@@ -573,7 +574,7 @@ def test_options_precedence(monkeypatch):
     assert mt.options(first) == mt.Options()
     assert mt.options(first) == mt.Options(backend="auto", precision="bf16",
                                            backward_mode="recompute", group=None, buffer=None,
-                                           on_unsupported="error")
+                                           on_unsupported="error", check_ids=False)
     monkeypatch.setattr(mt, "_ENVIRONMENT", {"backend": "torch", "backward_mode": "saved"})
     assert mt.options(first).backend == "torch"
     mt.configure(backend="reference")
@@ -588,6 +589,30 @@ def test_options_precedence(monkeypatch):
     assert mt.options(first).backend == "reference"
     mt.reset()
     assert mt.options(first).backend == "torch"
+
+
+def test_ids_go_unchecked_unless_asked(monkeypatch):
+    """The router's ids are not range-checked per call (a host sync per layer) unless
+    configure(check_ids=True) asks for it; then an out-of-range id is an error naming it."""
+    model = _model(config=_qwen3_config(num_hidden_layers=1))
+    experts = _experts(model)[0]
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["check_ids"])
+        return megamoe.moe(*args, **kwargs)
+
+    monkeypatch.setattr(mt, "moe", spy)
+    hidden = torch.randn(5, experts.gate_up_proj.shape[2])
+    ids, weights = _routing(5, experts.gate_up_proj.shape[0], 2, seed=3)
+    mt.experts_forward(experts, hidden, ids, weights)
+    assert seen == [False]
+    mt.configure(model, check_ids=True)
+    bad = ids.clone()
+    bad[4, 1] = experts.gate_up_proj.shape[0] + 3
+    with pytest.raises(MegaMoEError, match=r"topk_ids: expected ids in \[-1, 8\).*token 4, slot 1"):
+        mt.experts_forward(experts, hidden, bad, weights)
+    assert seen == [False, True]
 
 
 # -- GPU -------------------------------------------------------------------------------------

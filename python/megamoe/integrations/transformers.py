@@ -16,7 +16,8 @@ inputs, "reference" for CPU ones), "fused", "torch" or "reference"; ``precision`
 "recompute" or "saved", used by "fused"); ``on_unsupported`` (``MEGAMOE_ON_UNSUPPORTED``):
 "error" (default) or "fallback" (run transformers' own implementation, with a warning
 saying why, once per reason); ``group`` and ``buffer``: expert parallelism, as in
-``megamoe.moe`` (each rank's experts module holds its E/W experts; the ids stay global).
+``megamoe.moe`` (each rank's experts module holds its E/W experts; the ids stay global);
+``check_ids`` (default False): range-check the router's ids on the host, a sync per layer.
 Settings made on a model override the process-wide ones, which override the environment,
 which overrides the defaults.
 
@@ -97,6 +98,10 @@ class Options:
     group: object = None
     buffer: object = None
     on_unsupported: str = "error"
+    # transformers' routers take their ids from topk over the E router logits, so they are
+    # in range; checking them costs a host sync per layer, which stalls the CPU's launch
+    # queue in every forward. configure(check_ids=True) checks them anyway.
+    check_ids: bool = False
 
 
 def _check_choice(name: str, value, origin: str) -> None:
@@ -128,8 +133,13 @@ class _ModuleSettings(dict):
         return _ModuleSettings(self)
 
 
-def _given(backend, precision, backward_mode, group, buffer, on_unsupported) -> dict:
+def _given(backend, precision, backward_mode, group, buffer, on_unsupported,
+           check_ids=None) -> dict:
     given = {}
+    if check_ids is not None:
+        if not isinstance(check_ids, bool):
+            raise MegaMoEError(f"check_ids: expected True or False, got {check_ids!r}")
+        given["check_ids"] = check_ids
     for name, value in (("backend", backend), ("precision", precision),
                         ("backward_mode", backward_mode), ("on_unsupported", on_unsupported)):
         if value is not None:
@@ -167,7 +177,7 @@ def _experts_modules(model) -> list:
 
 
 def configure(model=None, *, backend=None, precision=None, backward_mode=None, group=None,
-              buffer=None, on_unsupported=None) -> None:
+              buffer=None, on_unsupported=None, check_ids=None) -> None:
     """Sets options: process-wide defaults (model=None), or on every experts module inside
     `model` (overriding the defaults). An argument left None leaves that option as it is;
     `reset` clears them. Unknown values raise MegaMoEError naming the argument.
@@ -175,8 +185,10 @@ def configure(model=None, *, backend=None, precision=None, backward_mode=None, g
     backend: "auto" | "fused" | "torch" | "reference"; precision: megamoe's precisions
     ("bf16", ...); backward_mode: "recompute" | "saved"; group, buffer: expert parallelism
     as in megamoe.moe (each rank's experts module then holds its E/W experts, and
-    top_k_index holds global ids); on_unsupported: "error" | "fallback"."""
-    given = _given(backend, precision, backward_mode, group, buffer, on_unsupported)
+    top_k_index holds global ids); on_unsupported: "error" | "fallback"; check_ids: check
+    every call's ids on the host (one sync per layer; default False, see Options)."""
+    given = _given(backend, precision, backward_mode, group, buffer, on_unsupported,
+                   check_ids)
     if model is None:
         _PROCESS.update(given)
         return
@@ -470,7 +482,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                    if torch.is_autocast_enabled(x.device.type) else contextlib.nullcontext())
     with no_autocast:
         y = moe(x, ids, weights, w_gate_up, w_down, group=opts.group, buffer=opts.buffer,
-                precision=opts.precision, backend=backend, backward_mode=opts.backward_mode)
+                precision=opts.precision, backend=backend, backward_mode=opts.backward_mode,
+                check_ids=opts.check_ids)
     return y.reshape(hidden_states.shape).to(hidden_states.dtype)
 
 
