@@ -712,4 +712,138 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (releases) bulk_wait_group_all();  // shared memory must outlive the last stores
 }
 
+// ---- Ping-pong schedule (plain-store epilogue, A read by TMA) -------------------------
+// Each consumer warpgroup owns whole 64-row tiles and the two alternate: the producer fills
+// the stages tile after tile, and an order barrier lets a consumer start a tile's mainloop
+// only once the other has finished its previous one, so each epilogue runs under the other
+// warpgroup's MMAs. The order barrier is also what makes skipping the other's stages safe:
+// a consumer never waits on a stage more than one fill ahead of the barrier's phase.
+// Tile ids: (2 * M-tile of 128 rows + half) * n_tiles + N-tile; an empty half is skipped by
+// producer and consumers alike.
+
+__device__ __forceinline__ TileCoords locate_half_tile(const GroupedGemmParams& p, int tile) {
+  const int q = tile / p.n_tiles;
+  TileCoords t = locate_tile(p, (q / 2) * p.n_tiles + tile % p.n_tiles);
+  const int half = q % 2;
+  t.row0 += 64 * half;
+  t.a_row0 += 64 * half;
+  t.out_row0 += 64 * half;
+  t.rows = min(64, t.rows - 64 * half);  // <= 0: nothing to do
+  return t;
+}
+
+template <int kBlockN, bool kBMajorN>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_pingpong_kernel(const __grid_constant__ CUtensorMap map_a,  // 64-row boxes
+                                 const __grid_constant__ CUtensorMap map_b,
+                                 const __grid_constant__ CUtensorMap map_c, GroupedGemmParams p) {
+  constexpr Epilogue kEpilogue = Epilogue::kStore;
+  using Config = TileConfig<kEpilogue, kBlockN>;
+  constexpr int kStages = Config::kStages;
+  constexpr int kHalfTileBytesA = 64 * kBlockK * 2;
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<GemmSharedStorage<kEpilogue, kBlockN>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ uint64_t order[2];  // order[c]: the other consumer has finished a mainloop
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&smem.full[s], 1);
+      mbarrier_init(&smem.empty[s], 1);  // one consumer per stage
+    }
+    mbarrier_init(&order[0], 1);
+    mbarrier_init(&order[1], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int num_tiles = 2 * __ldg(&p.tile_offsets[p.num_experts]) * p.n_tiles;
+
+  if (warpgroup == 0) {
+    setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&map_a);
+      prefetch_tensor_map(&map_b);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TileCoords t = locate_half_tile(p, tile);
+        if (t.rows <= 0) continue;
+        for (int kb = 0; kb < t.k_blocks; ++kb) {
+          mbarrier_wait(&smem.empty[stage], phase ^ 1);
+          mbarrier_arrive_expect_tx(&smem.full[stage], kHalfTileBytesA + Config::kTileBytesB);
+          tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.a_row0);
+          load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const bool releases = threadIdx.x % 128 == 0;
+  float acc[Config::kAccumulators];
+  int stage = 0, turn = 0, rounds = 0;
+  uint32_t phase = 0, order_parity = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileCoords t = locate_half_tile(p, tile);
+    if (t.rows <= 0) continue;
+    if (turn++ % 2 != consumer) {  // the other consumer's tile: step over its stages
+      for (int kb = 0; kb < t.k_blocks; ++kb) {
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+      continue;
+    }
+    if (consumer == 1 || rounds > 0) {
+      mbarrier_wait(&order[consumer], order_parity);
+      order_parity ^= 1;
+    }
+    ++rounds;
+    int previous = -1;
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
+      mbarrier_wait(&smem.full[stage], phase);
+      const uint64_t desc_a = smem_desc_k_major_sw128(smem.a[stage]);
+      const uint64_t desc_b = kBMajorN
+                                  ? smem_desc_mn_major_sw128(smem.b[stage], p.b_lbo, p.b_sbo)
+                                  : smem_desc_k_major_sw128(smem.b[stage]);
+      constexpr int kStepB = kBMajorN ? 16 * 128 / 16 : 2;
+#pragma unroll
+      for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        wgmma_bf16<kBlockN, kBMajorN ? 1 : 0, 0>(acc, desc_a + 2 * kk, desc_b + kStepB * kk,
+                                                 (kb > 0 || kk > 0) ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+#pragma unroll
+      for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
+      if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
+      previous = stage;
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
+    if (releases) {
+      if (previous >= 0) mbarrier_arrive(&smem.empty[previous]);
+      mbarrier_arrive(&order[1 - consumer]);  // the other consumer's mainloop may start
+    }
+    // The epilogues add `warpgroup * 64` to the tile's rows (the cooperative split); this
+    // tile's 64 rows are all this consumer's, so shift the coordinates back by as much.
+    TileCoords e = t;
+    e.row0 -= consumer * 64;
+    e.out_row0 -= consumer * 64;
+    e.rows += consumer * 64;
+    if (t.rows >= 64) {
+      store_slab_tma<kEpilogue, kBlockN>(map_c, e, acc, consumer, smem.staging[consumer]);
+    } else {
+      store_slab_direct<kEpilogue, kBlockN>(p, e, acc, consumer);
+    }
+  }
+  if (releases) bulk_wait_group_all();  // shared memory must outlive the last stores
+}
+
 }  // namespace megamoe::sm90
