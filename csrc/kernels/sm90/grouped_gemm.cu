@@ -3,8 +3,6 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
-
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -71,13 +69,9 @@ void check_args(const GroupedGemmArgs& a) {
   }
 }
 
-// kPingPong: grouped_gemm_pingpong_kernel (plain stores, A by TMA) instead of the
-// cooperative kernel.
-template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN = false,
-          bool kPingPong = false>
+template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN = false>
 void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
             MnMajorStrides strides = {}, const SwiGLUBackwardArgs* backward = nullptr) {
-  static_assert(!kPingPong || (kEpilogue == Epilogue::kStore && !kGatherA));
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
   constexpr int box_rows_b = kBMajorN ? kBlockK : kOutCols;
   // N-major B: B_e is [k, n]; otherwise [n, k] (b_rows_per_expert rows each).
@@ -89,9 +83,8 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   check_args(a);
   if (a.a_rows == 0) return;
   // A gathered by cp.async needs no tensor map; pass a valid one over the source anyway.
-  // (Ping-pong tiles are 64 rows.)
-  const CUtensorMap map_a = make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k,
-                                            kPingPong ? 64 : kBlockM);
+  const CUtensorMap map_a =
+      make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
   const CUtensorMap map_b =
       kBMajorN ? make_tensor_map(a.b, a.num_experts * a.k, a.n, box_rows_b)
                : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
@@ -137,34 +130,15 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // The host does not know the counts: bound the M-tiles by one partial tile per expert.
-  const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles *
-                            (kPingPong ? 2 : 1);
+  const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   const size_t smem = sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024;  // + alignment
-  static_assert(sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024 + 64 <= 227 * 1024);
-  if constexpr (kPingPong) {
-    auto* kernel = &grouped_gemm_pingpong_kernel<kBlockN, kBMajorN>;
-    MEGAMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, p);
-  } else {
-    auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA, kBMajorN>;
-    MEGAMOE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, map_h, p);
-  }
+  static_assert(sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024 <= 227 * 1024);
+  auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA, kBMajorN>;
+  MEGAMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, map_h, p);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-// MEGAMOE_GEMM_SCHEDULE=pingpong switches the plain-store GEMMs with a TMA-read A (the
-// forward's L2, the backward's dgrad of L1) to the ping-pong kernel; the default is the
-// cooperative one. (An A/B switch while the ping-pong schedule is being measured.)
-bool use_pingpong() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGAMOE_GEMM_SCHEDULE");
-    return v != nullptr && std::string(v) == "pingpong";
-  }();
-  return on;
 }
 
 [[maybe_unused]] const bool kPreloadable =
@@ -198,9 +172,6 @@ void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
     if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
     wide ? launch<Epilogue::kStore, 256, true>(args, 0, stream)
          : launch<Epilogue::kStore, 128, true>(args, 0, stream);
-  } else if (use_pingpong()) {
-    wide ? launch<Epilogue::kStore, 256, false, false, true>(args, 0, stream)
-         : launch<Epilogue::kStore, 128, false, false, true>(args, 0, stream);
   } else {
     wide ? launch<Epilogue::kStore, 256, false>(args, 0, stream)
          : launch<Epilogue::kStore, 128, false>(args, 0, stream);
@@ -284,9 +255,6 @@ void grouped_gemm_b_n_major(const GroupedGemmArgs& args, cudaStream_t stream,
     if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
     args.n % 256 == 0 ? launch<Epilogue::kStore, 256, true, true>(args, 0, stream, strides)
                       : launch<Epilogue::kStore, 128, true, true>(args, 0, stream, strides);
-  } else if (use_pingpong()) {
-    args.n % 256 == 0 ? launch<Epilogue::kStore, 256, false, true, true>(args, 0, stream, strides)
-                      : launch<Epilogue::kStore, 128, false, true, true>(args, 0, stream, strides);
   } else {
     args.n % 256 == 0 ? launch<Epilogue::kStore, 256, false, true>(args, 0, stream, strides)
                       : launch<Epilogue::kStore, 128, false, true>(args, 0, stream, strides);
