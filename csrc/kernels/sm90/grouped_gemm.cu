@@ -3,7 +3,6 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -56,16 +55,6 @@ void check_args(const GroupedGemmArgs& a) {
   }
 }
 
-// MEGAMOE_GATHER_BY_TMA=1: gathered A rows by TMA (one box per row) instead of cp.async
-// (an A/B switch while it is measured).
-bool gather_rows_by_tma() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGAMOE_GATHER_BY_TMA");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return on;
-}
-
 template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN = false>
 void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
             MnMajorStrides strides = {}, const SwiGLUBackwardArgs* backward = nullptr) {
@@ -79,11 +68,9 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   const int n_tiles = static_cast<int>(out_width / kOutCols);
   check_args(a);
   if (a.a_rows == 0) return;
-  // A gathered by cp.async needs no tensor map (a valid one over the source is passed
-  // anyway); gathered by TMA, it is read in boxes of one row.
-  const bool gather_by_tma = kGatherA && gather_rows_by_tma();
-  const CUtensorMap map_a = make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k,
-                                            gather_by_tma ? 1 : kBlockM);
+  // A gathered by cp.async needs no tensor map; pass a valid one over the source anyway.
+  const CUtensorMap map_a =
+      make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
   const CUtensorMap map_b =
       kBMajorN ? make_tensor_map(a.b, a.num_experts * a.k, a.n, box_rows_b)
                : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
@@ -120,7 +107,6 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   if (kBMajorN) p.b_rows_per_expert = static_cast<int32_t>(a.k);
   p.a_padded = a.a_padded;
   p.c_padded = a.c_padded;
-  p.gather_by_tma = gather_by_tma;
   p.h_out = kEpilogue == Epilogue::kSwiGLU ? a.h_out : nullptr;
   if (backward != nullptr) {
     p.h = backward->h;

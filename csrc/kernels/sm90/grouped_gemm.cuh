@@ -64,9 +64,6 @@ struct GroupedGemmParams {
   float* c_f32;
   // kSwiGLU (optional): the L1 output before the activation, [rows, 2I] = [gate | up].
   __nv_bfloat16* h_out;
-  // kGatherA: 1 gathers A rows with one TMA box (1 row x 64) per row and k-block (map_a
-  // then has 1-row boxes over a_source) instead of cp.async (experiment).
-  int32_t gather_by_tma;
 };
 
 constexpr int kBlockM = 128;
@@ -579,43 +576,6 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
 // cp.async (no permuted copy of x in memory), B by TMA from thread 0. Each warp instruction
 // covers 4 rows x 128 contiguous bytes; the smem layout is TMA's 128-byte swizzle, which
 // the wgmma descriptors expect: 16-byte chunk c of row r lands at chunk c ^ (r % 8).
-// The same gather with TMA: thread r of the producer warpgroup loads row r of each stage as
-// a 1 x 64 box of a_source (128 bytes; the 128-byte swizzle follows the shared-memory
-// address, so the row lands where the wgmma descriptor expects it). One arrival per stage
-// (thread 0's, expecting the tile's valid rows and B), no per-thread cp.async arrivals.
-template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
-__device__ __forceinline__ void produce_gathered_tma(const CUtensorMap& map_a_rows,
-                                                     const CUtensorMap& map_b,
-                                                     const GroupedGemmParams& p,
-                                                     GemmSharedStorage<kEpilogue, kBlockN>& smem,
-                                                     int num_tiles, int k_blocks) {
-  constexpr int kStages = TileConfig<kEpilogue, kBlockN>::kStages;
-  const int r = threadIdx.x;  // 0..127: this thread's row of every A tile
-  if (r == 0) {
-    prefetch_tensor_map(&map_a_rows);
-    prefetch_tensor_map(&map_b);
-  }
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileCoords t = locate_tile(p, tile);
-    const int32_t token = r < t.rows ? __ldg(&p.a_row_index[t.row0 + r]) : -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      mbarrier_wait(&smem.empty[stage], phase ^ 1);
-      if (r == 0) {
-        mbarrier_arrive_expect_tx(&smem.full[stage],
-                                  t.rows * kBlockK * 2 + TileConfig<kEpilogue, kBlockN>::kTileBytesB);
-        load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
-      }
-      if (token >= 0) {
-        tma_load_2d(reinterpret_cast<uint8_t*>(smem.a[stage]) + r * 128, &map_a_rows,
-                    &smem.full[stage], kb * kBlockK, token);
-      }
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
-    }
-  }
-}
-
 template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
 __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
                                                  const GroupedGemmParams& p,
@@ -678,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       // TMA's expect_tx arrival, plus each producer thread's cp.async arrival when gathering.
-      mbarrier_init(&smem.full[s], kGatherA && !p.gather_by_tma ? 1 + 128 : 1);
+      mbarrier_init(&smem.full[s], kGatherA ? 1 + 128 : 1);
       mbarrier_init(&smem.empty[s], 2);  // one arrival per consumer warpgroup
     }
     for (int w = 0; w < 2; ++w) mbarrier_init(&smem.h_full[w], 1);
@@ -695,12 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The producer needs few registers: give them to the consumers' accumulators.
     setmaxnreg_dec<kProducerRegisters>();
     if constexpr (kGatherA) {
-      if (p.gather_by_tma) {
-        produce_gathered_tma<kEpilogue, kBlockN, kBMajorN>(map_a, map_b, p, smem, num_tiles,
-                                                          k_blocks);
-      } else {
-        produce_gathered<kEpilogue, kBlockN, kBMajorN>(map_b, p, smem, num_tiles, k_blocks);
-      }
+      produce_gathered<kEpilogue, kBlockN, kBMajorN>(map_b, p, smem, num_tiles, k_blocks);
     } else if (threadIdx.x == 0) {
       produce_tma<kEpilogue, kBlockN, kBMajorN, kWgrad>(map_a, map_b, p, smem, num_tiles);
     }
