@@ -1,6 +1,5 @@
 #include "comm/ep_layer.h"
 
-#include <mutex>
 #include <string>
 #include <utility>
 
@@ -19,9 +18,6 @@ namespace {
 
 constexpr size_t kAlign = 256;
 constexpr int kCopyThreads = 256;
-constexpr int kDispatchThreads = 1024;  // one block fills an SM: the dispatch's SMs are whole
-// SMs of the forward's dispatch beside L1 unless Group.comm_sms says otherwise.
-constexpr int kDefaultOverlapSms = 8;
 constexpr int kPlanThreads = 256;  // tokens per block of the token plan
 constexpr int kBatch = 4;           // 16-byte loads a lane has in flight before it stores
 
@@ -128,15 +124,14 @@ T* at(void* base, size_t offset) {
 // The buffer offsets and sizes the kernels need.
 struct DeviceLayout {
   size_t recv_x, recv_dy, recv_token_count, recv_token_source, recv_slot_row, recv_row_token,
-      recv_weight, combine_rows, combine_dp, arrivals;
+      recv_weight, combine_rows, combine_dp;
   int32_t hidden, topk, max_tokens;
 };
 
 DeviceLayout device_layout(const BufferLayout& b, const Group& g) {
   return {b.recv_x,         b.recv_dy,        b.recv_token_count, b.recv_token_source,
           b.recv_slot_row,  b.recv_row_token, b.recv_weight,      b.combine_rows,
-          b.combine_dp,     b.arrivals,       static_cast<int32_t>(g.hidden),
-          static_cast<int32_t>(g.topk),
+          b.combine_dp,     static_cast<int32_t>(g.hidden), static_cast<int32_t>(g.topk),
           static_cast<int32_t>(g.max_tokens)};
 }
 
@@ -313,11 +308,9 @@ __global__ void __launch_bounds__(kPlanThreads)
 // 4. Each token once to each rank that owns one of its experts: the x row (backward: and
 // the dy row) into this rank's section of the owner's received tokens, and for each of
 // its slots there the owner row (send_base: the expert-sorted layout), the router weight
-// and the token's index on the owner. One warp per token. count_arrivals (the forward,
-// whose L1 runs beside this kernel): then counts each slot row into the owner's arrivals
-// of its 128-row block, after the token's stores are visible system-wide.
+// and the token's index on the owner. One warp per token.
 template <class Id>
-__global__ void __launch_bounds__(kDispatchThreads)
+__global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
                     const __grid_constant__ DeviceLayout layout,
                     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
@@ -326,21 +319,16 @@ __global__ void __launch_bounds__(kDispatchThreads)
                     const int32_t* __restrict__ expert_offsets,
                     const int32_t* __restrict__ send_base, const int32_t* __restrict__ token_pos,
                     const int32_t* __restrict__ token_count, const int32_t* __restrict__ skip,
-                    int64_t T, int32_t experts_per_rank, bool count_arrivals,
-                    int32_t self_only_base = -1) {
+                    int64_t T, int32_t experts_per_rank) {
   const int world = peers.world_size, k = layout.topk, H = layout.hidden;
-  // self_only_base >= 0 (the forward beside L1, v6): only this rank's own rows, not copied
-  // (L1 reads them from x: row index self_only_base + t), metadata and counts only.
-  const bool self_only = self_only_base >= 0;
   if (*skip == 0) {
     if (blockIdx.x == 0 && threadIdx.x < world) {
       in<int32_t>(peers.buffers[threadIdx.x], layout.recv_token_count)[peers.rank] =
           token_count[threadIdx.x];
     }
     const int lane = threadIdx.x % 32;
-    const int per_block = blockDim.x / 32;
-    const int64_t warps = int64_t(gridDim.x) * per_block;
-    for (int64_t t = blockIdx.x * per_block + threadIdx.x / 32; t < T; t += warps) {
+    const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+    for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
       int64_t id = -1, slot_owner = -1;
       int32_t r = -1;
       if (lane < k) {
@@ -359,124 +347,23 @@ __global__ void __launch_bounds__(kDispatchThreads)
                  (int64_t(peers.rank) * layout.max_tokens + pos) * H;
         };
       };
-      if (!self_only) {
-        copy_row_to(x + t * H, H, lane, world, to(layout.recv_x));
-        if (dy != nullptr) copy_row_to(dy + t * H, H, lane, world, to(layout.recv_dy));
-      }
+      copy_row_to(x + t * H, H, lane, world, to(layout.recv_x));
+      if (dy != nullptr) copy_row_to(dy + t * H, H, lane, world, to(layout.recv_dy));
       for (int d = 0; d < world; ++d) {
         const int32_t pos = token_pos[t * world + d];
-        if (pos < 0 || (self_only && d != peers.rank)) continue;
+        if (pos < 0) continue;
         char* dst = peers.buffers[d];
         const int64_t i = int64_t(peers.rank) * layout.max_tokens + pos;  // token index there
         if (lane < k) {
           int32_t row = -1;
           if (slot_owner == d) {
             row = send_base[id] + (r - expert_offsets[id]);
-            in<int32_t>(dst, layout.recv_row_token)[row] =
-                self_only ? self_only_base + static_cast<int32_t>(t) : static_cast<int32_t>(i);
+            in<int32_t>(dst, layout.recv_row_token)[row] = static_cast<int32_t>(i);
             in<float>(dst, layout.recv_weight)[row] = topk_weights[t * k + lane];
           }
           in<int32_t>(dst, layout.recv_slot_row)[i * k + lane] = row;
         }
         if (lane == 0) in<int32_t>(dst, layout.recv_token_source)[i] = static_cast<int32_t>(t);
-      }
-      if (count_arrivals) {
-        __syncwarp();  // every lane's stores of this token, then a fence, then the count
-        if (lane < k && slot_owner >= 0 && slot_owner < world &&
-            (!self_only || slot_owner == peers.rank)) {
-          const int32_t row = send_base[id] + (r - expert_offsets[id]);
-          __threadfence_system();
-          atomicAdd_system(in<int32_t>(peers.buffers[slot_owner], layout.arrivals) +
-                               row / sm90::kGroupedGemmBlockM, 1);
-        }
-      }
-    }
-  }
-  __threadfence_system();  // before the phase kernel's release signal
-}
-
-// 4'. The forward's dispatch beside L1 (v6): the rows go out to the other ranks in the
-// order each owner's L1 consumes them (this rank's own rows were handled before, by
-// dispatch_kernel's self-only mode: nothing copied). This rank's local plan sorts its rows
-// by global expert, so an owner's rows come expert by expert; the warps are shared among
-// the remote owners and walk each owner's rows in step, 32 rows per warp at a time: each
-// lane checks whether its row's slot is its token's first on that owner (smallest expert
-// id there, the plan's order), and the warp then sends those tokens one by one (x row,
-// metadata of all the token's slots there, then each of its rows counted into the
-// owner's arrival counter of its 128-row block after a system fence). Each (token, owner)
-// pair is sent once, at the turn of its first expert, and serves all its rows there.
-template <class Id>
-__global__ void __launch_bounds__(kDispatchThreads)
-    ordered_dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
-                            const __grid_constant__ DeviceLayout layout,
-                            const __nv_bfloat16* __restrict__ x, const Id* __restrict__ topk_ids,
-                            const float* __restrict__ topk_weights,
-                            const __grid_constant__ RoutingPlan plan,
-                            const int32_t* __restrict__ send_base,
-                            const int32_t* __restrict__ token_pos,
-                            const int32_t* __restrict__ token_count,
-                            const int32_t* __restrict__ skip, int32_t experts_per_rank) {
-  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
-  if (*skip == 0 && world > 1) {
-    if (blockIdx.x == 0 && threadIdx.x < world) {
-      in<int32_t>(peers.buffers[threadIdx.x], layout.recv_token_count)[peers.rank] =
-          token_count[threadIdx.x];
-    }
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int warps_per_block = blockDim.x / 32;
-    // Warps round-robin over the remote owners.
-    const int remote = warp % (world - 1);
-    const int owner = remote < peers.rank ? remote : remote + 1;
-    const int per_block = (warps_per_block - remote + (world - 2)) / (world - 1);
-    const int member = blockIdx.x * per_block + warp / (world - 1);
-    const int members = gridDim.x * per_block;
-    const int32_t first = plan.expert_offsets[owner * experts_per_rank];
-    const int32_t last = plan.expert_offsets[(owner + 1) * experts_per_rank];
-    char* dst = peers.buffers[owner];
-    for (int32_t base = first + member * 32; base < last; base += members * 32) {
-      const int32_t q = base + lane;
-      int32_t t = -1;
-      bool send = false;
-      if (q < last) {
-        t = plan.row_token[q];
-        const int32_t slot = plan.row_slot[q];
-        const int j = slot - t * k;
-        const int64_t my_id = static_cast<int64_t>(topk_ids[slot]);
-        send = true;
-        for (int l = 0; l < k; ++l) {
-          if (l == j || plan.slot_row[int64_t(t) * k + l] < 0) continue;
-          const int64_t id = static_cast<int64_t>(topk_ids[int64_t(t) * k + l]);
-          if (id / experts_per_rank == owner && (id < my_id || (id == my_id && l < j))) {
-            send = false;
-          }
-        }
-      }
-      for (unsigned todo = __ballot_sync(0xffffffffu, send); todo != 0; todo &= todo - 1) {
-        const int32_t tok = __shfl_sync(0xffffffffu, t, __ffs(todo) - 1);
-        const int32_t pos = token_pos[int64_t(tok) * world + owner];
-        const int64_t i = int64_t(peers.rank) * layout.max_tokens + pos;  // token index there
-        copy_row_to(x + int64_t(tok) * H, H, lane, 1, [&](int) {
-          return in<__nv_bfloat16>(dst, layout.recv_x) + i * H;
-        });
-        int32_t row = -1;
-        if (lane < k) {
-          const int32_t r = plan.slot_row[int64_t(tok) * k + lane];
-          if (r >= 0) {
-            const int64_t id = static_cast<int64_t>(topk_ids[int64_t(tok) * k + lane]);
-            if (id / experts_per_rank == owner) {
-              row = send_base[id] + (r - plan.expert_offsets[id]);
-              in<int32_t>(dst, layout.recv_row_token)[row] = static_cast<int32_t>(i);
-              in<float>(dst, layout.recv_weight)[row] = topk_weights[int64_t(tok) * k + lane];
-            }
-          }
-          in<int32_t>(dst, layout.recv_slot_row)[i * k + lane] = row;
-        }
-        if (lane == 0) in<int32_t>(dst, layout.recv_token_source)[i] = tok;
-        __syncwarp();  // every lane's stores of this token, then a fence, then the counts
-        if (row >= 0) {
-          __threadfence_system();
-          atomicAdd_system(in<int32_t>(dst, layout.arrivals) + row / sm90::kGroupedGemmBlockM, 1);
-        }
       }
     }
   }
@@ -619,11 +506,6 @@ void check_group(const Group& g) {
 
 [[maybe_unused]] const bool kPreloadable = register_kernel_module(&phase_kernel);
 
-// Forward arrival counters: one per 128-row block of a rank's expert-sorted rows.
-int64_t arrival_blocks(const Group& g) {
-  return (g.max_recv_rows + sm90::kGroupedGemmBlockM - 1) / sm90::kGroupedGemmBlockM;
-}
-
 }  // namespace
 
 BufferLayout buffer_layout(const Group& g) {
@@ -643,7 +525,6 @@ BufferLayout buffer_layout(const Group& g) {
   b.recv_weight = c.take(R * 4);
   b.combine_rows = c.take(tokens * g.hidden * 2);
   b.combine_dp = c.take(g.max_tokens * k * 4);
-  b.arrivals = c.take(arrival_blocks(g) * 4);
   b.total = c.at;
   return b;
 }
@@ -672,10 +553,7 @@ struct Routed {
   DeviceLayout layout;
   int64_t e_local;
   int sms;
-  int copy_blocks;            // of the kernels that move rows between ranks (256 threads)
-  int overlap_sms;            // of the forward's dispatch beside L1
-  int32_t* send_base;         // [E] (layout_kernel)
-  int32_t* token_count;       // [W] (token_pos_kernel)
+  int copy_blocks;            // of the kernels that move rows between ranks
 };
 
 void check_call(const Group& g, int64_t T, int64_t I) {
@@ -687,9 +565,12 @@ void check_call(const Group& g, int64_t T, int64_t I) {
   if (I < 128 || I % 128) throw_invalid("intermediate: expected a positive multiple of 128");
 }
 
-// Steps 1-3: local plan, token plan, counts, layout.
-Routed route(const Group& g, const RouteWorkspace& w, void* workspace, const void* topk_ids,
-             bool ids_are_int64, int64_t T, cudaStream_t stream) {
+// Steps 1-4: local plan, counts, layout, dispatch (x rows; with dy, dy rows and weights),
+// and the dispatch phase.
+Routed route_and_dispatch(const Group& g, const RouteWorkspace& w, void* workspace,
+                          const __nv_bfloat16* x, const __nv_bfloat16* dy, const void* topk_ids,
+                          bool ids_are_int64, const float* topk_weights, int64_t T,
+                          cudaStream_t stream) {
   // Everything this call launches behind the first peer wait must be loaded already
   // (kernel_preload.h says why).
   preload_kernels();
@@ -746,66 +627,20 @@ Routed route(const Group& g, const RouteWorkspace& w, void* workspace, const voi
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&r.sms, cudaDevAttrMultiProcessorCount, device));
   r.copy_blocks = 2 * (g.comm_sms > 0 && g.comm_sms < r.sms ? g.comm_sms : r.sms);
-  const int overlap = g.comm_sms > 0 ? g.comm_sms : kDefaultOverlapSms;
-  r.overlap_sms = overlap < r.sms / 2 ? overlap : r.sms / 2;
-  r.send_base = send_base;
-  r.token_count = token_count;
-  return r;
-}
-
-// Step 4: the dispatch kernel on `stream` with `blocks` blocks of kDispatchThreads.
-void dispatch(const Group& g, const Routed& r, const __nv_bfloat16* x, const __nv_bfloat16* dy,
-              const void* topk_ids, bool ids_are_int64, const float* topk_weights, int64_t T,
-              int blocks, bool count_arrivals, cudaStream_t stream) {
-  const auto launch = [&](auto* ids) {
-    dispatch_kernel<<<blocks, kDispatchThreads, 0, stream>>>(
-        g.peers, r.layout, x, dy, ids, topk_weights, r.plan.slot_row, r.plan.expert_offsets,
-        r.send_base, r.token_pos, r.token_count, r.skip, T, static_cast<int32_t>(r.e_local),
-        count_arrivals);
+  const auto dispatch = [&](auto* ids) {
+    dispatch_kernel<<<r.copy_blocks, kCopyThreads, 0, stream>>>(
+        peers, r.layout, x, dy, ids, topk_weights, r.plan.slot_row, r.plan.expert_offsets,
+        send_base, r.token_pos, token_count, r.skip, T, static_cast<int32_t>(r.e_local));
   };
   if (ids_are_int64) {
-    launch(static_cast<const int64_t*>(topk_ids));
+    dispatch(static_cast<const int64_t*>(topk_ids));
   } else {
-    launch(static_cast<const int32_t*>(topk_ids));
+    dispatch(static_cast<const int32_t*>(topk_ids));
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-void dispatch_phase(const Group& g, const Routed& r, cudaStream_t stream) {
-  phase_kernel<<<1, 32, 0, stream>>>(g.peers, comm::Phase::kDispatch, g.timeout_ns, r.error);
+  phase_kernel<<<1, 32, 0, stream>>>(peers, comm::Phase::kDispatch, g.timeout_ns, r.error);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-// A second stream per device for the forward's dispatch beside L1, and the events that fork
-// it from the caller's stream and join it back (both captured by a CUDA graph). One EP call
-// at a time per device, as the group's buffer already implies.
-struct SideStream {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-};
-
-const SideStream& side_stream() {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mutex;
-  static SideStream streams[kMaxDevices];
-  int device = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= kMaxDevices) throw_invalid("EP: CUDA device index out of range");
-  const std::lock_guard<std::mutex> lock(mutex);
-  SideStream& s = streams[device];
-  if (s.stream == nullptr) {
-    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
-    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
-  }
-  return s;
-}
-
-__global__ void zero_kernel(int32_t* p, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    p[i] = 0;
-  }
+  return r;
 }
 
 // Step 6's sends (rows: this rank's expert-sorted results).
@@ -872,49 +707,14 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   if (workspace == nullptr || workspace_size < w.total) {
     throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
   }
-  // Made (once per device) before this call's first kernel: creating a stream must not wait
-  // behind a kernel that spins on a peer.
-  const SideStream& side = side_stream();
-  const Routed r = route(g, w.route, workspace, topk_ids, ids_are_int64, T, stream);
+  const Routed r = route_and_dispatch(g, w.route, workspace, x, nullptr, topk_ids, ids_are_int64,
+                                      topk_weights, T, stream);
   char* own = g.peers.buffers[g.peers.rank];
   const int64_t H = g.hidden;
-
-  // This rank's own rows first, on every SM and without copies (L1 reads them from x, row
-  // index local_base + t): their metadata and arrival counts. Then the dispatch to the
-  // other ranks runs on a side stream and overlap_sms SMs while L1 runs on the others:
-  // each L1 tile waits for the arrival counts of its rows' 128-row blocks.
-  const int32_t local_base = static_cast<int32_t>(g.peers.world_size * g.max_tokens);
-  const auto own_rows = [&](auto* ids) {
-    dispatch_kernel<<<r.copy_blocks / 4 > 0 ? r.copy_blocks / 4 : 1, kDispatchThreads, 0, stream>>>(
-        g.peers, r.layout, x, nullptr, ids, topk_weights, r.plan.slot_row, r.plan.expert_offsets,
-        r.send_base, r.token_pos, r.token_count, r.skip, T, static_cast<int32_t>(r.e_local),
-        true, local_base);
-  };
-  if (ids_are_int64) {
-    own_rows(static_cast<const int64_t*>(topk_ids));
-  } else {
-    own_rows(static_cast<const int32_t*>(topk_ids));
-  }
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
-  const auto ordered = [&](auto* ids) {
-    ordered_dispatch_kernel<<<r.overlap_sms, kDispatchThreads, 0, side.stream>>>(
-        g.peers, r.layout, x, ids, topk_weights, r.plan, r.send_base, r.token_pos,
-        r.token_count, r.skip, static_cast<int32_t>(r.e_local));
-  };
-  if (ids_are_int64) {
-    ordered(static_cast<const int64_t*>(topk_ids));
-  } else {
-    ordered(static_cast<const int32_t*>(topk_ids));
-  }
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
 
   // The one-GPU GEMMs on the received rows, A gathered from the received tokens.
   auto* activation = at<__nv_bfloat16>(workspace, w.activation);
   auto* out_rows = at<__nv_bfloat16>(workspace, w.out_rows);
-  auto* arrivals = reinterpret_cast<int32_t*>(own + r.buffer.arrivals);
   sm90::GroupedGemmArgs l1 =
       received_rows(g, r, reinterpret_cast<const __nv_bfloat16*>(own + r.buffer.recv_x));
   l1.b = w_gate_up;
@@ -923,13 +723,6 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   l1.c = activation;
   l1.ldc = I;
   l1.h_out = saved_h;  // saved mode: h = [gate | up] of every received row, for the backward
-  l1.arrivals = arrivals;
-  l1.arrival_error = r.error;
-  l1.arrival_error_code = (int(comm::Phase::kRows) + 1) << 8 | g.peers.rank;
-  l1.arrival_timeout_ns = g.timeout_ns;
-  l1.max_blocks = r.sms - r.overlap_sms;
-  l1.a_local = x;
-  l1.a_local_base = local_base;
   sm90::grouped_gemm_swiglu(l1, I, stream);
   sm90::GroupedGemmArgs l2 = received_rows(g, r);
   l2.a = activation;
@@ -940,12 +733,6 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   l2.ldc = H;
   sm90::grouped_gemm(l2, stream);
 
-  // Every rank's dispatch done (the metadata the combine reads), then the counters go back
-  // to 0: no peer can count into them again before the next call's counts exchange.
-  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
-  dispatch_phase(g, r, stream);
-  zero_kernel<<<1, 1024, 0, stream>>>(arrivals, arrival_blocks(g));
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
   send_back(g, r, out_rows, reinterpret_cast<const float*>(own + r.buffer.recv_weight), nullptr,
             stream);
   combine_phase(g, r, stream);
@@ -967,10 +754,8 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   if (workspace == nullptr || workspace_size < w.total) {
     throw_invalid("workspace: expected " + std::to_string(w.total) + " bytes");
   }
-  Routed r = route(g, w.route, workspace, topk_ids, ids_are_int64, T, stream);
-  dispatch(g, r, x, dy, topk_ids, ids_are_int64, topk_weights, T, r.copy_blocks / 2, false,
-           stream);
-  dispatch_phase(g, r, stream);
+  Routed r = route_and_dispatch(g, w.route, workspace, x, dy, topk_ids, ids_are_int64,
+                                topk_weights, T, stream);
   char* own = g.peers.buffers[g.peers.rank];
   const int64_t H = g.hidden, R = g.max_recv_rows, E_local = r.e_local;
   const int64_t P = padded_rows_bound(R, E_local);

@@ -13,10 +13,7 @@
 //   4. dispatch: each token once per owner rank (not once per slot: with k = 8 over 2
 //      ranks that moves 4x fewer bytes): the x row (backward: and the dy row) into the
 //      source's section of the owner's received tokens, with, per slot there, its owner
-//      row, router weight and token. In the forward it runs on a second stream and
-//      comm_sms SMs (default 8) beside L1 and counts each row into the owner's arrival
-//      counter of its 128-row block; each L1 tile waits for its blocks' counts, so L1
-//      starts on the first rows that land. Then (backward: right away) a signal;
+//      row, router weight and token; signal;
 //   5. the one-GPU kernels on the received rows (A gathered from the received tokens);
 //   6. combine send: per received token, its rows' results summed in fp32 over its slots
 //      (forward: weighted), rounded to bf16 once, into the source's combine area at [this
@@ -51,8 +48,7 @@ struct Group {
   int64_t hidden;
   int64_t max_recv_rows;     // (token, expert) rows a rank can receive per call
   int64_t timeout_ns;
-  int32_t comm_sms;          // SMs of the kernels that move rows between ranks; 0: 8 for
-                             // the forward's dispatch beside L1, all for the others
+  int32_t comm_sms;          // SMs of the kernels that move rows between ranks; 0: all
 };
 
 // Layout of each rank's symmetric buffer (identical on every rank).
@@ -68,8 +64,6 @@ struct BufferLayout {
   size_t recv_weight;        // fp32 [max_recv_rows] router weight of each row here
   size_t combine_rows;       // bf16 [W, max_tokens, H] each owner's partial sum per token
   size_t combine_dp;         // fp32 [max_tokens * k] d topk_weights of each slot (backward)
-  size_t arrivals;           // int32 [max_recv_rows / 128] forward rows landed per 128-row
-                             // block of the expert-sorted rows here (0 between calls)
   size_t total;
 };
 BufferLayout buffer_layout(const Group& g);

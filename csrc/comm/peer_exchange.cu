@@ -62,11 +62,6 @@ std::string describe_error(int32_t code) {
            " would receive more token rows than its capacity (max_recv_rows); nothing was "
            "sent and the outputs are NaN";
   }
-  if (phase == int(Phase::kRows)) {
-    return "rank " + std::to_string(rank) +
-           " waited for token rows that did not all arrive within the timeout (phase "
-           "'dispatch', inside L1)";
-  }
   const char* name = phase == int(Phase::kCounts)     ? "counts"
                      : phase == int(Phase::kDispatch) ? "dispatch"
                      : phase == int(Phase::kCombine)  ? "combine"

@@ -23,7 +23,6 @@ enum class Phase : int32_t {
   kCounts = 0,
   kDispatch = 1,  // token rows sent to their experts' ranks
   kCombine = 2,   // result rows sent back to their tokens' ranks
-  kRows = 3,      // not a phase signal: L1 waited for token rows that did not all arrive
   kCapacity = 6,  // not a wait: a rank would receive more rows than its capacity
   kNumPhases = 8
 };

@@ -199,9 +199,8 @@ typedef struct megamoe_ep_group {
   int64_t hidden;
   int64_t max_recv_rows;        /* (token, expert) rows one rank can receive per call */
   int64_t timeout_ns;           /* how long a rank waits for a peer before failing */
-  int32_t num_comm_sms;         /* SMs of the kernels that move rows between ranks; 0: 8
-                                   for the forward's dispatch, which runs beside L1 (on the
-                                   other SMs), and all SMs for the transfers between GEMMs */
+  int32_t num_comm_sms;         /* SMs of the kernels that move rows between ranks; 0: all
+                                   (this version does not overlap them with the GEMMs) */
 } megamoe_ep_group;
 
 /* Bytes of each rank's buffer (the buffers may be NULL for this query). */

@@ -5,9 +5,8 @@ It lives in torch symmetric memory (NVLink multicast off), so every rank's kerne
 store into every other rank's buffer through a table of peer pointers. Sizes are fixed at
 creation: `max_tokens_per_rank` tokens per call, `max_recv_rows` (token, expert) rows a
 rank can receive per call (default: every token of every rank, k times). `num_comm_sms`
-sets how many SMs the kernels that move rows between ranks use (default: 8 for the
-forward's dispatch, which runs beside L1 on the other SMs, and every SM for the transfers
-that run between GEMMs).
+sets how many SMs the kernels that move rows between ranks use (default: all of them, as
+this version runs those kernels between the GEMMs rather than beside them).
 """
 
 from __future__ import annotations

@@ -102,25 +102,12 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   p.ldc = a.ldc;
   p.a_source = a.a;
   p.a_row_index = a.a_row_index;
-  p.a_local = a.a_local;
-  p.a_local_base = a.a_local_base;
   p.b_lbo = strides.lbo;
   p.b_sbo = strides.sbo;
   if (kBMajorN) p.b_rows_per_expert = static_cast<int32_t>(a.k);
   p.a_padded = a.a_padded;
   p.c_padded = a.c_padded;
   p.h_out = kEpilogue == Epilogue::kSwiGLU ? a.h_out : nullptr;
-  if (a.arrivals != nullptr) {
-    if (!kGatherA || kEpilogue != Epilogue::kSwiGLU || a.arrival_error == nullptr ||
-        a.arrival_timeout_ns < 1) {
-      throw_invalid("grouped GEMM: arrivals are for grouped_gemm_swiglu with a gathered A, "
-                    "an error word and a timeout");
-    }
-    p.arrivals = a.arrivals;
-    p.arrival_error = a.arrival_error;
-    p.arrival_error_code = a.arrival_error_code;
-    p.arrival_timeout_ns = a.arrival_timeout_ns;
-  }
   if (backward != nullptr) {
     p.h = backward->h;
     p.dh = backward->dh;
@@ -135,8 +122,7 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // The host does not know the counts: bound the M-tiles by one partial tile per expert.
   const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
-  const int blocks = a.max_blocks > 0 && a.max_blocks < sms ? a.max_blocks : sms;
-  const int grid = static_cast<int>(max_tiles < blocks ? max_tiles : blocks);
+  const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   const size_t smem = sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024;  // + alignment
   static_assert(sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024 <= 227 * 1024);
   auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA, kBMajorN>;

@@ -64,14 +64,6 @@ struct GroupedGemmParams {
   float* c_f32;
   // kSwiGLU (optional): the L1 output before the activation, [rows, 2I] = [gate | up].
   __nv_bfloat16* h_out;
-  // Gathered A (optional): rows arriving during the kernel (GroupedGemmArgs::arrivals).
-  const int32_t* arrivals;
-  int32_t* arrival_error;
-  int32_t arrival_error_code;
-  int64_t arrival_timeout_ns;
-  // Gathered A: an index >= a_local_base is row (index - a_local_base) of a_local.
-  const __nv_bfloat16* a_local;
-  int32_t a_local_base;
 };
 
 constexpr int kBlockM = 128;
@@ -580,23 +572,6 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
   }
 }
 
-// One thread: waits until every row of sorted rows [row0, row0 + rows) has arrived (see
-// GroupedGemmArgs::arrivals); on timeout records the error and returns.
-__device__ __forceinline__ void wait_rows_arrived(const GroupedGemmParams& p, int row0,
-                                                  int rows) {
-  const int total = __ldg(&p.expert_offsets[p.num_experts]);
-  const uint64_t start = global_timer_ns();
-  for (int b = row0 / kBlockM; b <= (row0 + rows - 1) / kBlockM; ++b) {
-    const int want = min(kBlockM, total - b * kBlockM);
-    while (load_acquire_sys(&p.arrivals[b]) < want) {
-      if (global_timer_ns() - start > static_cast<uint64_t>(p.arrival_timeout_ns)) {
-        atomicCAS(p.arrival_error, 0, p.arrival_error_code);
-        return;
-      }
-    }
-  }
-}
-
 // The whole producer warpgroup: A rows gathered straight from the token matrix with
 // cp.async (no permuted copy of x in memory), B by TMA from thread 0. Each warp instruction
 // covers 4 rows x 128 contiguous bytes; the smem layout is TMA's 128-byte swizzle, which
@@ -615,23 +590,13 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoords t = locate_tile(p, tile);
-    // Rows still landing (the EP forward's L1 only: in the other gathered GEMMs the check
-    // would cost the 56-register producer a spill): wait for this tile's, then read them.
-    // Row indices written by peers during the kernel are read around L1 (ld.global.cg).
-    constexpr bool kArrivals = kEpilogue == Epilogue::kSwiGLU;
-    const bool arriving = kArrivals && p.arrivals != nullptr;
-    if (arriving) {
-      if (thread == 0) wait_rows_arrived(p, t.row0, t.rows);
-      named_barrier_sync(1, 128);  // the producer warpgroup (consumers use 2 and 3)
-    }
     // Token of each of this thread's rows; -1 past the expert's end (never stored: their
     // shared memory is left as it is). 32-bit to stay inside the producer's 56 registers.
     int32_t token[kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int r = thread / 8 + 16 * i;
-      const int32_t* index = &p.a_row_index[t.row0 + r];
-      token[i] = r >= t.rows ? -1 : arriving ? __ldcg(index) : __ldg(index);
+      token[i] = r < t.rows ? __ldg(&p.a_row_index[t.row0 + r]) : -1;
     }
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
@@ -644,10 +609,8 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int r = thread / 8 + 16 * i;
         if (token[i] >= 0) {
-          const __nv_bfloat16* row =
-              token[i] < p.a_local_base ? p.a_source + int64_t(token[i]) * p.k
-                                        : p.a_local + int64_t(token[i] - p.a_local_base) * p.k;
-          cp_async_16(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16), row + kb * kBlockK + chunk * 8);
+          cp_async_16(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16),
+                      p.a_source + int64_t(token[i]) * p.k + kb * kBlockK + chunk * 8);
         }
       }
       cp_async_mbarrier_arrive(&smem.full[stage]);

@@ -31,23 +31,6 @@ struct GroupedGemmArgs {
   // grouped_gemm_swiglu only, optional: also write h = [gate | up] ([rows, 2I], unpadded
   // sorted order) for a backward that skips the L1 recompute.
   __nv_bfloat16* h_out = nullptr;
-  // grouped_gemm_swiglu with a gathered A only, optional (expert parallelism: rows that
-  // land while the GEMM runs):
-  // before it reads a tile's row indices and rows, the producer waits until arrivals[b]
-  // (int32, system scope, acquire) reaches the number of rows of 128-row block b of the
-  // sorted order (expert_offsets[E] rows in all) for each block the tile touches. After
-  // arrival_timeout_ns it writes arrival_error_code into *arrival_error (if 0) and goes on.
-  const int32_t* arrivals = nullptr;
-  int32_t* arrival_error = nullptr;
-  int32_t arrival_error_code = 0;
-  int64_t arrival_timeout_ns = 0;
-  // Persistent blocks at most (0: one per SM), e.g. to leave SMs to a kernel that runs
-  // beside this one and feeds `arrivals`.
-  int max_blocks = 0;
-  // Gathered A, optional second source: an index >= a_local_base is row
-  // (index - a_local_base) of a_local ([*, k], e.g. a rank's own tokens, never copied).
-  const __nv_bfloat16* a_local = nullptr;
-  int32_t a_local_base = INT32_MAX;
 };
 
 // Shared-memory descriptor strides of an N-major B tile (bytes); the defaults describe the
