@@ -3,12 +3,7 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdio>
-#include <cstdlib>
-#include <map>
-#include <mutex>
 #include <string>
-#include <utility>
 #include <type_traits>
 
 #include "core/cuda_check.h"
@@ -60,63 +55,11 @@ void check_args(const GroupedGemmArgs& a) {
   }
 }
 
-using GemmKernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap,
-                           GroupedGemmParams);
-
-// How many clusters of two blocks of `kernel` fit on the device at once (asked once per
-// kernel and device).
-int max_active_pairs(GemmKernel kernel, int device, const cudaLaunchConfig_t& config) {
-  static std::mutex mutex;
-  static std::map<std::pair<GemmKernel, int>, int> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = known.find({kernel, device});
-  if (it != known.end()) return it->second;
-  int clusters = 0;
-  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-  if (clusters < 1) {
-    throw Error(MEGAMOE_ERROR_CUDA, "grouped GEMM: no cluster of two blocks fits on this GPU");
-  }
-  known[{kernel, device}] = clusters;
-  if (std::getenv("MEGAMOE_GEMM_PRINT_CLUSTERS")) std::fprintf(stderr, "[megamoe] grouped GEMM: %d clusters of 2 fit\n", clusters);
-  return clusters;
-}
-
-// Clusters of two blocks (grouped_gemm.cuh, "Block pairs"), as many as fit at once, at most
-// one per work unit.
-void launch_pairs(GemmKernel kernel, int64_t max_units, size_t smem, cudaStream_t stream,
-                  const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
-                  const CUtensorMap& map_h, const GroupedGemmParams& p) {
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  config.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
-  const int clusters = max_active_pairs(kernel, device, config);
-  const int64_t pairs = max_units < clusters ? max_units : clusters;
-  config.gridDim = dim3(static_cast<unsigned>(2 * pairs));
-  GroupedGemmParams q = p;
-  q.no_multicast = std::getenv("MEGAMOE_GEMM_NO_MULTICAST") != nullptr;
-  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, map_h, q));
-}
-
 template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN = false>
 void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
             MnMajorStrides strides = {}, const SwiGLUBackwardArgs* backward = nullptr) {
   constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kBlockN / 2 : kBlockN;
-  // K-major B: boxes of half a tile's N rows (each block of a pair loads one half).
-  constexpr int box_rows_b = kBMajorN ? kBlockK : kBlockN / 2;
+  constexpr int box_rows_b = kBMajorN ? kBlockK : kOutCols;
   // N-major B: B_e is [k, n]; otherwise [n, k] (b_rows_per_expert rows each).
   const int64_t out_width = kEpilogue == Epilogue::kSwiGLU ? half_n
                             : kBMajorN                     ? a.n
@@ -169,13 +112,19 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
     p.a_out = backward->a_out;
   }
 
+  int device = 0, sms = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // The host does not know the counts: bound the M-tiles by one partial tile per expert.
-  const int64_t max_m_tiles = (a.a_rows + kBlockM - 1) / kBlockM + a.num_experts;
-  const int64_t max_units = (max_m_tiles + 1) / 2 * n_tiles;  // (M-tile pair, N-tile)
+  const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * n_tiles;
+  const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   const size_t smem = sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024;  // + alignment
   static_assert(sizeof(GemmSharedStorage<kEpilogue, kBlockN>) + 1024 <= 227 * 1024);
   auto* kernel = &grouped_gemm_kernel<kEpilogue, kBlockN, kGatherA, kBMajorN>;
-  launch_pairs(kernel, max_units, smem, stream, map_a, map_b, map_c, map_h, p);
+  MEGAMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, map_h, p);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 [[maybe_unused]] const bool kPreloadable =

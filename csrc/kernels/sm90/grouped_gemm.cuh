@@ -11,14 +11,6 @@
 // tile_offsets, handed out round-robin over a persistent grid; producer and consumers walk
 // the same sequence.
 //
-// Block pairs (all but kWgrad): the grid is made of clusters of two blocks that take M-tiles
-// 2j and 2j + 1 of the same N-tile. When both tiles are the same expert's (most pairs), each
-// block loads half of the B tile by TMA multicast into both blocks' stages: the B traffic
-// from L2, two thirds of a stage's bytes, halves. A stage is refilled only when the
-// consumers of both blocks have released it (each consumer arrives on both blocks' empty
-// barriers), so the two rings move in step. A block whose M-tile is past the last one (an
-// odd count) walks the ring without rows.
-//
 // Epilogues (template):
 //   kSwiGLU: B tile rows [0, N/2) are gate rows n0.., rows [N/2, N) the up rows I+n0..;
 //            C[r, n0 + c] = silu(gate) * up for c < N/2 (output width I); optionally also
@@ -72,7 +64,6 @@ struct GroupedGemmParams {
   float* c_f32;
   // kSwiGLU (optional): the L1 output before the activation, [rows, 2I] = [gate | up].
   __nv_bfloat16* h_out;
-  int32_t no_multicast;  // experiment: pairs stay coupled but each block loads all of B
 };
 
 constexpr int kBlockM = 128;
@@ -115,10 +106,10 @@ struct TileCoords {
   int m0, k_row0, k_blocks;
 };
 
-__device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, int m_tile,
-                                                  int n_tile) {
+__device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, int tile) {
+  const int m_tile = tile / p.n_tiles;
   TileCoords t;
-  t.n_tile = n_tile;
+  t.n_tile = tile % p.n_tiles;
   // Last expert whose first M-tile is <= m_tile (experts with no tiles are skipped).
   int lo = 0, hi = p.num_experts - 1;
   while (lo < hi) {
@@ -127,10 +118,7 @@ __device__ __forceinline__ TileCoords locate_tile(const GroupedGemmParams& p, in
   }
   t.expert = lo;
   t.row0 = __ldg(&p.expert_offsets[lo]) + (m_tile - __ldg(&p.tile_offsets[lo])) * kBlockM;
-  // Past the last M-tile (the second block of a pair, odd M-tile count): no rows.
-  t.rows = m_tile < __ldg(&p.tile_offsets[p.num_experts])
-               ? min(kBlockM, __ldg(&p.expert_offsets[lo + 1]) - t.row0)
-               : 0;
+  t.rows = min(kBlockM, __ldg(&p.expert_offsets[lo + 1]) - t.row0);
   t.a_row0 = p.a_padded ? m_tile * kBlockM : t.row0;
   t.out_row0 = p.c_padded ? m_tile * kBlockM : t.row0;
   t.m0 = 0;
@@ -490,88 +478,37 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
 constexpr int kProducerRegisters = 56;
 constexpr int kConsumerRegisters = 224;
 
-// Half `half` of one k-block's B tile (the expert's weight rows for this N-tile): N columns
-// [half * kBlockN / 2, (half + 1) * kBlockN / 2). cta_mask != 0: multicast to those blocks.
+// B tile(s) of one k-block: the expert's weight rows for this N-tile.
 template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
-__device__ __forceinline__ void load_b_half(const CUtensorMap& map_b, const GroupedGemmParams& p,
-                                            const TileCoords& t, __nv_bfloat16* dst,
-                                            uint64_t* bar, int kb, int half, uint16_t cta_mask) {
-  const auto load = [&](__nv_bfloat16* to, int32_t inner, int32_t outer) {
-    if (cta_mask != 0) {
-      tma_load_2d_multicast(to, &map_b, bar, inner, outer, cta_mask);
-    } else {
-      tma_load_2d(to, &map_b, bar, inner, outer);
-    }
-  };
+__device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGemmParams& p,
+                                       const TileCoords& t, __nv_bfloat16* dst, uint64_t* bar,
+                                       int kb) {
   const int b_row = t.expert * p.b_rows_per_expert;
   if constexpr (kBMajorN) {
     static_assert(kEpilogue != Epilogue::kSwiGLU);
     // Boxes of 64 K-rows x 64 N-elements, one after the other along N. (kWgrad: K rows are
     // the expert's padded rows, t.k_row0.., and b_row is 0.)
-    constexpr int kBoxes = kBlockN / 128;
 #pragma unroll
-    for (int box = half * kBoxes; box < (half + 1) * kBoxes; ++box) {
-      load(dst + box * 64 * kBlockK, t.n_tile * kBlockN + box * 64, b_row + t.k_row0 + kb * kBlockK);
+    for (int box = 0; box < kBlockN / 64; ++box) {
+      tma_load_2d(dst + box * 64 * kBlockK, &map_b, bar, t.n_tile * kBlockN + box * 64,
+                  b_row + t.k_row0 + kb * kBlockK);
     }
   } else if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-    // Half 0: the gate rows n0.., half 1: the up rows I + n0...
-    load(dst + half * (kBlockN / 2) * kBlockK, kb * kBlockK,
-         b_row + half * p.half_n + t.n_tile * (kBlockN / 2));
+    const int n = t.n_tile * (kBlockN / 2);
+    tma_load_2d(dst, &map_b, bar, kb * kBlockK, b_row + n);
+    tma_load_2d(dst + (kBlockN / 2) * kBlockK, &map_b, bar, kb * kBlockK, b_row + p.half_n + n);
   } else {
-    // Boxes of kBlockN / 2 rows: the 128-byte swizzle repeats every 8 rows, so two boxes
-    // make the same layout as one of kBlockN rows.
-    load(dst + half * (kBlockN / 2) * kBlockK, kb * kBlockK,
-         b_row + t.n_tile * kBlockN + half * (kBlockN / 2));
+    tma_load_2d(dst, &map_b, bar, kb * kBlockK, b_row + t.n_tile * kBlockN);
   }
 }
 
-// The B tile of one k-block: the block's half for both blocks of the pair when they share
-// it, else all of it for this block alone.
-template <Epilogue kEpilogue, int kBlockN, bool kBMajorN>
-__device__ __forceinline__ void load_b(const CUtensorMap& map_b, const GroupedGemmParams& p,
-                                       const TileCoords& t, __nv_bfloat16* dst, uint64_t* bar,
-                                       int kb, bool shared_with_pair) {
-  if (shared_with_pair) {
-    load_b_half<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, dst, bar, kb,
-                                              static_cast<int>(cluster_ctarank()), 0b11);
-  } else {
-    load_b_half<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, dst, bar, kb, 0, 0);
-    load_b_half<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, dst, bar, kb, 1, 0);
-  }
-}
-
-// Work units of the persistent grid: a kWgrad tile per block; otherwise an (M-tile pair,
-// N-tile) per cluster, of which this block takes M-tile 2j + rank.
 template <bool kWgrad>
-__device__ __forceinline__ TileCoords locate(const GroupedGemmParams& p, int unit) {
+__device__ __forceinline__ TileCoords locate(const GroupedGemmParams& p, int tile) {
   if constexpr (kWgrad) {
-    return locate_wgrad_tile(p, unit);
+    return locate_wgrad_tile(p, tile);
   } else {
-    return locate_tile(p, 2 * (unit / p.n_tiles) + static_cast<int>(cluster_ctarank()),
-                       unit % p.n_tiles);
+    return locate_tile(p, tile);
   }
-}
-
-template <bool kWgrad>
-__device__ __forceinline__ int num_units(const GroupedGemmParams& p) {
-  if constexpr (kWgrad) {
-    return p.num_experts * (p.wgrad_m / kBlockM) * p.n_tiles;
-  } else {
-    return (__ldg(&p.tile_offsets[p.num_experts]) + 1) / 2 * p.n_tiles;
-  }
-}
-template <bool kWgrad>
-__device__ __forceinline__ int first_unit() { return kWgrad ? blockIdx.x : blockIdx.x / 2; }
-template <bool kWgrad>
-__device__ __forceinline__ int unit_stride() { return kWgrad ? gridDim.x : gridDim.x / 2; }
-
-// Whether the other block of the pair has an M-tile of the same expert (then the two share
-// B). Both blocks reach the same answer: an expert's M-tiles are contiguous.
-__device__ __forceinline__ bool pair_shares_b(const GroupedGemmParams& p, const TileCoords& t,
-                                              int unit) {
-  if (t.rows == 0 || p.no_multicast) return false;
-  const int other = 2 * (unit / p.n_tiles) + (1 - static_cast<int>(cluster_ctarank()));
-  return other >= __ldg(&p.tile_offsets[t.expert]) && other < __ldg(&p.tile_offsets[t.expert + 1]);
 }
 
 // One thread: A and B tiles by TMA. kWgrad: A is M-major, two boxes of 64 K-rows x 64 M.
@@ -585,16 +522,10 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
   prefetch_tensor_map(&map_b);
   int stage = 0;
   uint32_t phase = 0;
-  for (int unit = first_unit<kWgrad>(); unit < num_tiles; unit += unit_stride<kWgrad>()) {
-    const TileCoords t = locate<kWgrad>(p, unit);
-    const bool shared = !kWgrad && pair_shares_b(p, t, unit);
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileCoords t = locate<kWgrad>(p, tile);
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
-      if (t.rows == 0) {  // no M-tile for this block of the pair: the stage stays empty
-        mbarrier_arrive(&smem.full[stage]);
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-        continue;
-      }
       mbarrier_arrive_expect_tx(&smem.full[stage], kTileBytesA + TileConfig<kEpilogue, kBlockN>::kTileBytesB);
       if constexpr (kWgrad) {
         for (int box = 0; box < kBlockM / 64; ++box) {
@@ -604,8 +535,7 @@ __device__ __forceinline__ void produce_tma(const CUtensorMap& map_a, const CUte
       } else {
         tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.a_row0);
       }
-      load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb,
-                                           shared);
+      load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     }
   }
@@ -627,9 +557,8 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
   if (thread == 0) prefetch_tensor_map(&map_b);
   int stage = 0;
   uint32_t phase = 0;
-  for (int unit = first_unit<false>(); unit < num_tiles; unit += unit_stride<false>()) {
-    const TileCoords t = locate<false>(p, unit);
-    const bool shared = thread == 0 && pair_shares_b(p, t, unit);
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileCoords t = locate_tile(p, tile);
     // Token of each of this thread's rows; -1 past the expert's end (never stored: their
     // shared memory is left as it is). 32-bit to stay inside the producer's 56 registers.
     int32_t token[kRowsPerThread];
@@ -641,13 +570,8 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbarrier_wait(&smem.empty[stage], phase ^ 1);
       if (thread == 0) {
-        if (t.rows > 0) {
-          mbarrier_arrive_expect_tx(&smem.full[stage], TileConfig<kEpilogue, kBlockN>::kTileBytesB);
-          load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb,
-                                               shared);
-        } else {  // no M-tile for this block of the pair: the stage stays empty
-          mbarrier_arrive(&smem.full[stage]);
-        }
+        mbarrier_arrive_expect_tx(&smem.full[stage], TileConfig<kEpilogue, kBlockN>::kTileBytesB);
+        load_b<kEpilogue, kBlockN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
       }
       uint8_t* a_tile = reinterpret_cast<uint8_t*>(smem.a[stage]);
 #pragma unroll
@@ -664,31 +588,54 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
   }
 }
 
-// The consumer warpgroups: MMAs of each tile into registers, then its epilogue.
-template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN, bool kWgrad>
-__device__ __forceinline__ void consume(const CUtensorMap& map_c, const CUtensorMap& map_h,
-                                        const GroupedGemmParams& p,
-                                        GemmSharedStorage<kEpilogue, kBlockN>& smem,
-                                        int num_tiles, int consumer) {
+template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN, bool kWgrad = false>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_c,
+                        // kSwiGLU: the saved h; kSwiGLUBackward: a_out.
+                        const __grid_constant__ CUtensorMap map_h, GroupedGemmParams p) {
   using Config = TileConfig<kEpilogue, kBlockN>;
   constexpr int kStages = Config::kStages;
-  constexpr bool kPaired = !kWgrad;
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<GemmSharedStorage<kEpilogue, kBlockN>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      // TMA's expect_tx arrival, plus each producer thread's cp.async arrival when gathering.
+      mbarrier_init(&smem.full[s], kGatherA ? 1 + 128 : 1);
+      mbarrier_init(&smem.empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  static_assert(!(kWgrad && kGatherA));
+  const int num_tiles = kWgrad ? p.num_experts * (p.wgrad_m / kBlockM) * p.n_tiles
+                               : __ldg(&p.tile_offsets[p.num_experts]) * p.n_tiles;
+  const int k_blocks = p.k / kBlockK;
+
+  if (warpgroup == 0) {
+    // The producer needs few registers: give them to the consumers' accumulators.
+    setmaxnreg_dec<kProducerRegisters>();
+    if constexpr (kGatherA) {
+      produce_gathered<kEpilogue, kBlockN, kBMajorN>(map_b, p, smem, num_tiles, k_blocks);
+    } else if (threadIdx.x == 0) {
+      produce_tma<kEpilogue, kBlockN, kBMajorN, kWgrad>(map_a, map_b, p, smem, num_tiles);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
   const bool releases = threadIdx.x % 128 == 0;
-  // A stage goes back to the producers of both blocks of a pair.
-  const auto release = [&](int s) {
-    if (!releases) return;
-    mbarrier_arrive(&smem.empty[s]);
-    if constexpr (kPaired) mbarrier_arrive_cluster(&smem.empty[s], cluster_ctarank() ^ 1);
-  };
   float acc[Config::kAccumulators];
   int stage = 0;
   uint32_t phase = 0;
-  for (int unit = first_unit<kWgrad>(); unit < num_tiles; unit += unit_stride<kWgrad>()) {
-    const TileCoords t = locate<kWgrad>(p, unit);
-    // A warpgroup whose 64 rows are all past the expert's end (or a block of a pair without
-    // an M-tile) skips its MMAs; its accumulators are never read (epilogues mask rows past
-    // t.rows).
-    const bool idle = consumer * 64 >= t.rows;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileCoords t = locate<kWgrad>(p, tile);
     int previous = -1;
     if (t.k_blocks == 0) {  // an expert without tokens: its weight gradient is zero
 #pragma unroll
@@ -709,32 +656,29 @@ __device__ __forceinline__ void consume(const CUtensorMap& map_c, const CUtensor
       // Along K, 16 elements are 32 bytes in a K-major row but 16 rows of 128 bytes in an
       // N-major tile (descriptor units of 16 bytes).
       constexpr int kStepB = kBMajorN ? 16 * 128 / 16 : 2;
-      if (!idle) {
 #pragma unroll
-        for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
-        wgmma_fence();
+      for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
+      wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          // 16 bf16 along K are 32 bytes: 2 in the descriptor's 16-byte address units.
-          wgmma_bf16<kBlockN, kBMajorN ? 1 : 0, kWgrad ? 1 : 0>(
-              acc, desc_a + kStepA * kk, desc_b + kStepB * kk, (kb > 0 || kk > 0) ? 1 : 0);
-        }
-        wgmma_commit();
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        // 16 bf16 along K are 32 bytes: 2 in the descriptor's 16-byte address units.
+        wgmma_bf16<kBlockN, kBMajorN ? 1 : 0, kWgrad ? 1 : 0>(
+            acc, desc_a + kStepA * kk, desc_b + kStepB * kk, (kb > 0 || kk > 0) ? 1 : 0);
       }
+      wgmma_commit();
       // Keep this k-block's MMAs in flight; the previous block's are done, so its stage
       // can go back to the producer.
       wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
-      if (previous >= 0) release(previous);
+      if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
       previous = stage;
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
-    if (previous >= 0) release(previous);
-    if (t.rows == 0) continue;  // a block of a pair without an M-tile
+    if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
     if constexpr (kWgrad) {
       if (p.c_f32 != nullptr) {
         accumulate_slab_f32<kBlockN>(p, t, acc, consumer);
@@ -766,55 +710,6 @@ __device__ __forceinline__ void consume(const CUtensorMap& map_c, const CUtensor
     }
   }
   if (releases) bulk_wait_group_all();  // shared memory must outlive the last stores
-}
-
-
-template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN, bool kWgrad = false>
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                        const __grid_constant__ CUtensorMap map_b,
-                        const __grid_constant__ CUtensorMap map_c,
-                        // kSwiGLU: the saved h; kSwiGLUBackward: a_out.
-                        const __grid_constant__ CUtensorMap map_h, GroupedGemmParams p) {
-  using Config = TileConfig<kEpilogue, kBlockN>;
-  constexpr int kStages = Config::kStages;
-  constexpr bool kPaired = !kWgrad;  // launched in clusters of two blocks
-  extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<GemmSharedStorage<kEpilogue, kBlockN>*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const int warpgroup = threadIdx.x / 128;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      // TMA's expect_tx arrival, plus each producer thread's cp.async arrival when gathering.
-      mbarrier_init(&smem.full[s], kGatherA ? 1 + 128 : 1);
-      // One arrival per consumer warpgroup, of both blocks of a pair.
-      mbarrier_init(&smem.empty[s], kPaired ? 4 : 2);
-    }
-    fence_barrier_init();
-  }
-  // A pair's blocks multicast into and arrive on each other's barriers: both initialised.
-  if constexpr (kPaired) cluster_sync(); else __syncthreads();
-
-  static_assert(!(kWgrad && kGatherA));
-  const int num_tiles = num_units<kWgrad>(p);
-  const int k_blocks = p.k / kBlockK;
-
-  if (warpgroup == 0) {
-    // The producer needs few registers: give them to the consumers' accumulators.
-    setmaxnreg_dec<kProducerRegisters>();
-    if constexpr (kGatherA) {
-      produce_gathered<kEpilogue, kBlockN, kBMajorN>(map_b, p, smem, num_tiles, k_blocks);
-    } else if (threadIdx.x == 0) {
-      produce_tma<kEpilogue, kBlockN, kBMajorN, kWgrad>(map_a, map_b, p, smem, num_tiles);
-    }
-  } else {
-    setmaxnreg_inc<kConsumerRegisters>();
-    consume<kEpilogue, kBlockN, kGatherA, kBMajorN, kWgrad>(map_c, map_h, p, smem, num_tiles,
-                                                          warpgroup - 1);
-  }
-  // No block of a pair leaves while the other may still arrive on its barriers.
-  if constexpr (kPaired) cluster_sync();
 }
 
 }  // namespace megamoe::sm90
