@@ -3,7 +3,6 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -133,67 +132,6 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-// The ping-pong schedule (grouped_gemm.cuh): kStore or kSwiGLU (without the saved h), A by
-// TMA or gathered.
-template <Epilogue kEpilogue, bool kGatherA, bool kBMajorN>
-void launch_pingpong(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
-                     MnMajorStrides strides) {
-  constexpr int kN = kPingPongBlockN;
-  constexpr int kOutCols = TileConfig<kEpilogue, kN>::kOutCols;
-  const int64_t out_width = kEpilogue == Epilogue::kSwiGLU ? half_n
-                            : kBMajorN                     ? a.n
-                                                           : a.b_rows_per_expert;
-  check_args(a);
-  if (a.a_rows == 0) return;
-  // A gathered by cp.async needs no tensor map; pass a valid one over the source anyway.
-  const CUtensorMap map_a =
-      make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
-  const CUtensorMap map_b =
-      kBMajorN ? make_tensor_map(a.b, a.num_experts * a.k, a.n, kBlockK)
-               : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, kOutCols);
-  const CUtensorMap map_c = make_tensor_map(a.c, a.c_rows > 0 ? a.c_rows : a.a_rows, a.ldc, 64);
-  GroupedGemmParams p{};
-  p.expert_offsets = a.expert_offsets;
-  p.tile_offsets = a.tile_offsets;
-  p.num_experts = static_cast<int32_t>(a.num_experts);
-  p.k = static_cast<int32_t>(a.k);
-  p.b_rows_per_expert = static_cast<int32_t>(kBMajorN ? a.k : a.b_rows_per_expert);
-  p.n_tiles = static_cast<int32_t>(out_width / kOutCols);
-  p.half_n = static_cast<int32_t>(half_n);
-  p.c = a.c;
-  p.ldc = a.ldc;
-  p.a_source = a.a;
-  p.a_row_index = a.a_row_index;
-  p.b_lbo = strides.lbo;
-  p.b_sbo = strides.sbo;
-  p.a_padded = a.a_padded;
-  p.c_padded = a.c_padded;
-  int device = 0, sms = 0;
-  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  MEGAMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t max_tiles = ((a.a_rows + kBlockM - 1) / kBlockM + a.num_experts) * p.n_tiles;
-  const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
-  using Storage = PingPongStorage<kEpilogue>;
-  const size_t smem = sizeof(Storage) + 1024;
-  static_assert(sizeof(Storage) + 1024 <= 227 * 1024);
-  auto* kernel = &grouped_gemm_pingpong_kernel<kEpilogue, kGatherA, kBMajorN>;
-  MEGAMOE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_c, p);
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-// MEGAMOE_GEMM_SCHEDULE=pingpong: the plain-store and SwiGLU GEMMs (L1 without the saved h,
-// L2, the backward's L1 recompute and dgrad of L1) use the ping-pong kernel (an A/B switch
-// while it is measured; the default is the cooperative kernel).
-bool use_pingpong() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGAMOE_GEMM_SCHEDULE");
-    return v != nullptr && std::string(v) == "pingpong";
-  }();
-  return on;
-}
-
 [[maybe_unused]] const bool kPreloadable =
     register_kernel_module(&grouped_gemm_kernel<Epilogue::kStore, 128, false, false>);
 
@@ -207,15 +145,6 @@ bool use_pingpong() {
 void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream) {
   if (intermediate % 64 != 0) throw_invalid("grouped GEMM (SwiGLU): I must be a multiple of 64");
   const bool wide = MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && intermediate % 128 == 0;
-  if (use_pingpong() && args.h_out == nullptr) {
-    if (args.a_row_index != nullptr) {
-      if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
-      launch_pingpong<Epilogue::kSwiGLU, true, false>(args, intermediate, stream, {});
-    } else {
-      launch_pingpong<Epilogue::kSwiGLU, false, false>(args, intermediate, stream, {});
-    }
-    return;
-  }
   if (args.a_row_index != nullptr) {
     if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
     wide ? launch<Epilogue::kSwiGLU, 256, true>(args, intermediate, stream)
@@ -232,14 +161,8 @@ void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   const bool wide = MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && n % 256 == 0;
   if (args.a_row_index != nullptr) {
     if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
-    if (use_pingpong()) {
-      launch_pingpong<Epilogue::kStore, true, false>(args, 0, stream, {});
-      return;
-    }
     wide ? launch<Epilogue::kStore, 256, true>(args, 0, stream)
          : launch<Epilogue::kStore, 128, true>(args, 0, stream);
-  } else if (use_pingpong()) {
-    launch_pingpong<Epilogue::kStore, false, false>(args, 0, stream, {});
   } else {
     wide ? launch<Epilogue::kStore, 256, false>(args, 0, stream)
          : launch<Epilogue::kStore, 128, false>(args, 0, stream);
@@ -323,8 +246,6 @@ void grouped_gemm_b_n_major(const GroupedGemmArgs& args, cudaStream_t stream,
     if (args.a_source_rows < 1) throw_invalid("grouped GEMM: gathered A has no rows");
     args.n % 256 == 0 ? launch<Epilogue::kStore, 256, true, true>(args, 0, stream, strides)
                       : launch<Epilogue::kStore, 128, true, true>(args, 0, stream, strides);
-  } else if (use_pingpong()) {
-    launch_pingpong<Epilogue::kStore, false, true>(args, 0, stream, strides);
   } else {
     args.n % 256 == 0 ? launch<Epilogue::kStore, 256, false, true>(args, 0, stream, strides)
                       : launch<Epilogue::kStore, 128, false, true>(args, 0, stream, strides);

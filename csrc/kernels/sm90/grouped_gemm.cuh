@@ -182,8 +182,9 @@ __device__ __forceinline__ void for_each_output(const float (&acc)[kBlockN / 2],
 // A slab with rows past the expert's end: plain masked stores from registers.
 template <Epilogue kEpilogue, int kBlockN>
 __device__ __forceinline__ void store_slab_direct(const GroupedGemmParams& p, const TileCoords& t,
-                                                  const float (&acc)[kBlockN / 2], int slab) {
+                                                  const float (&acc)[kBlockN / 2], int warpgroup) {
   constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
+  const int slab = warpgroup * 64;
   __nv_bfloat16* base = p.c + int64_t(t.out_row0 + slab) * p.ldc + t.n_tile * kOutCols;
   for_each_output<kEpilogue, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
     if (slab + r < t.rows) {
@@ -196,15 +197,14 @@ __device__ __forceinline__ void store_slab_direct(const GroupedGemmParams& p, co
 // A full slab: registers -> shared memory (the 128-byte swizzled layout of the store boxes,
 // conflict-free for this fragment) -> TMA store, which drains while the warpgroup goes on
 // to the next tile's MMAs. Thread 0 of the warpgroup owns the bulk stores.
-// `slab`: the slab's first row in the tile; `barrier`: the warpgroup's named barrier.
 template <Epilogue kEpilogue, int kBlockN>
 __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const TileCoords& t,
-                                               const float (&acc)[kBlockN / 2], int slab,
-                                               int barrier, uint8_t* staging) {
+                                               const float (&acc)[kBlockN / 2], int warpgroup,
+                                               uint8_t* staging) {
   constexpr int kOutCols = TileConfig<kEpilogue, kBlockN>::kOutCols;
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) bulk_wait_group_read_all();  // the previous tile's stores have left staging
-  named_barrier_sync(barrier, 128);
+  named_barrier_sync(1 + warpgroup, 128);
   for_each_output<kEpilogue, kBlockN>(acc, [&](int r, int c, float v0, float v1) {
     const int box = c / kStoreBoxCols, cc = c % kStoreBoxCols;
     uint8_t* at =
@@ -212,12 +212,12 @@ __device__ __forceinline__ void store_slab_tma(const CUtensorMap& map_c, const T
     *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v0, v1);
   });
   fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
-  named_barrier_sync(barrier, 128);
+  named_barrier_sync(1 + warpgroup, 128);
   if (leader) {
 #pragma unroll
     for (int box = 0; box < kOutCols / kStoreBoxCols; ++box) {
       tma_store_2d(&map_c, staging + box * kStoreBoxBytes,
-                   t.n_tile * kOutCols + box * kStoreBoxCols, t.out_row0 + slab);
+                   t.n_tile * kOutCols + box * kStoreBoxCols, t.out_row0 + warpgroup * 64);
     }
     bulk_commit_group();
   }
@@ -740,205 +740,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (!staged) store_slab_swiglu_backward<kBlockN>(p, t, acc, consumer);
     } else if (t.rows - consumer * 64 >= 64) {
-      store_slab_tma<kEpilogue, kBlockN>(map_c, t, acc, consumer * 64, 1 + consumer,
-                                         smem.staging[consumer]);
+      store_slab_tma<kEpilogue, kBlockN>(map_c, t, acc, consumer, smem.staging[consumer]);
       if constexpr (kEpilogue == Epilogue::kSwiGLU) {
         if (p.h_out != nullptr) {
           store_slab_h_tma<kBlockN>(map_h, p, t, acc, consumer, smem.staging[consumer]);
         }
       }
     } else {
-      store_slab_direct<kEpilogue, kBlockN>(p, t, acc, consumer * 64);
+      store_slab_direct<kEpilogue, kBlockN>(p, t, acc, consumer);
       if constexpr (kEpilogue == Epilogue::kSwiGLU) {
         if (p.h_out != nullptr) store_slab_h<kBlockN>(p, t, acc, consumer);
       }
     }
   }
   if (releases) bulk_wait_group_all();  // shared memory must outlive the last stores
-}
-
-// ---- Ping-pong schedule ----------------------------------------------------------------
-// Each consumer warpgroup owns whole 128 x 128 tiles (two m64n128k16 accumulator sets, 128
-// registers) and the two take the block's tiles in turn. The producer fills 32 KB stages
-// (A 128 x 64, B 128 x 64) tile after tile; an order barrier starts a consumer's mainloop
-// only when the other has finished its own, so one warpgroup's epilogue runs under the
-// other's MMAs (in the cooperative kernel both warpgroups stop their MMAs for the epilogue).
-// A consumer steps over the other's stages; the order barrier keeps it from waiting on a
-// stage more than one fill ahead. Epilogues: kStore, and kSwiGLU without the saved h (a
-// tile's 128 B rows are 64 gate + 64 up rows: 64 output columns). A by TMA, or gathered by
-// the whole producer warpgroup with cp.async as in the cooperative kernel.
-constexpr int kPingPongBlockN = 128;
-
-template <Epilogue kEpilogue>
-struct alignas(1024) PingPongStorage {
-  static constexpr int kTileBytes = kTileBytesA + kPingPongBlockN * kBlockK * 2;
-  // One 64-row slab's outputs.
-  static constexpr int kSlabBytes = 64 * TileConfig<kEpilogue, kPingPongBlockN>::kOutCols * 2;
-  static constexpr int kStages = (kSharedBudget - 4 * kSlabBytes) / kTileBytes;
-  __nv_bfloat16 a[kStages][kBlockM * kBlockK];
-  __nv_bfloat16 b[kStages][kPingPongBlockN * kBlockK];
-  uint8_t staging[2][2][kSlabBytes];  // [consumer][slab]
-  uint64_t full[kStages];
-  uint64_t empty[kStages];
-  uint64_t order[2];  // order[c]: consumer c may start its next mainloop
-};
-
-template <Epilogue kEpilogue, bool kGatherA, bool kBMajorN>
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_gemm_pingpong_kernel(const __grid_constant__ CUtensorMap map_a,
-                                 const __grid_constant__ CUtensorMap map_b,
-                                 const __grid_constant__ CUtensorMap map_c, GroupedGemmParams p) {
-  static_assert(kEpilogue == Epilogue::kStore || kEpilogue == Epilogue::kSwiGLU);
-  constexpr int kN = kPingPongBlockN;
-  using Storage = PingPongStorage<kEpilogue>;
-  constexpr int kStages = Storage::kStages;
-  extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<Storage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      // TMA's expect_tx arrival, plus each producer thread's cp.async arrival when gathering.
-      mbarrier_init(&smem.full[s], kGatherA ? 1 + 128 : 1);
-      mbarrier_init(&smem.empty[s], 1);  // one consumer per stage
-    }
-    mbarrier_init(&smem.order[0], 1);
-    mbarrier_init(&smem.order[1], 1);
-    fence_barrier_init();
-  }
-  __syncthreads();
-  const int num_tiles = __ldg(&p.tile_offsets[p.num_experts]) * p.n_tiles;
-
-  if (warpgroup == 0) {
-    setmaxnreg_dec<kProducerRegisters>();
-    const int thread = threadIdx.x;
-    if (!kGatherA && thread != 0) return;
-    if (thread == 0) {
-      if (!kGatherA) prefetch_tensor_map(&map_a);
-      prefetch_tensor_map(&map_b);
-    }
-    constexpr int kRowsPerThread = kBlockM / 16;
-    const int chunk = thread % 8;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const TileCoords t = locate_tile(p, tile);
-      int32_t token[kGatherA ? kRowsPerThread : 1];
-      if constexpr (kGatherA) {
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
-          const int r = thread / 8 + 16 * i;
-          token[i] = r < t.rows ? __ldg(&p.a_row_index[t.row0 + r]) : -1;
-        }
-      }
-      for (int kb = 0; kb < t.k_blocks; ++kb) {
-        mbarrier_wait(&smem.empty[stage], phase ^ 1);
-        if (thread == 0) {
-          mbarrier_arrive_expect_tx(&smem.full[stage],
-                                    kGatherA ? Storage::kTileBytes - kTileBytesA : Storage::kTileBytes);
-          if (!kGatherA) {
-            tma_load_2d(smem.a[stage], &map_a, &smem.full[stage], kb * kBlockK, t.a_row0);
-          }
-          load_b<kEpilogue, kN, kBMajorN>(map_b, p, t, smem.b[stage], &smem.full[stage], kb);
-        }
-        if constexpr (kGatherA) {
-          uint8_t* a_tile = reinterpret_cast<uint8_t*>(smem.a[stage]);
-#pragma unroll
-          for (int i = 0; i < kRowsPerThread; ++i) {
-            const int r = thread / 8 + 16 * i;
-            if (token[i] >= 0) {
-              cp_async_16(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16),
-                          p.a_source + int64_t(token[i]) * p.k + kb * kBlockK + chunk * 8);
-            }
-          }
-          cp_async_mbarrier_arrive(&smem.full[stage]);
-        }
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      }
-    }
-    return;
-  }
-
-  setmaxnreg_inc<kConsumerRegisters>();
-  const int consumer = warpgroup - 1;
-  const bool leader = threadIdx.x % 128 == 0;
-  float acc[2][kN / 2];  // rows 0-63 and 64-127 of the tile
-  int stage = 0, turn = 0;
-  uint32_t phase = 0, order_parity = 0;
-  bool first = true;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileCoords t = locate_tile(p, tile);
-    if (turn++ % 2 != consumer) {  // the other consumer's tile: step over its stages
-      for (int kb = 0; kb < t.k_blocks; ++kb) {
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-      }
-      continue;
-    }
-    if (consumer == 1 || !first) {
-      mbarrier_wait(&smem.order[consumer], order_parity);
-      order_parity ^= 1;
-    }
-    first = false;
-    int previous = -1;
-    for (int kb = 0; kb < t.k_blocks; ++kb) {
-      mbarrier_wait(&smem.full[stage], phase);
-      // Gathered A rows were written through the generic proxy; wgmma reads the async one.
-      if constexpr (kGatherA) fence_proxy_async_shared();
-      const uint64_t desc_a = smem_desc_k_major_sw128(smem.a[stage]);
-      const uint64_t desc_b = kBMajorN ? smem_desc_mn_major_sw128(smem.b[stage], p.b_lbo, p.b_sbo)
-                                       : smem_desc_k_major_sw128(smem.b[stage]);
-      constexpr int kStepB = kBMajorN ? 16 * 128 / 16 : 2;
-      constexpr int kHalfA = 64 * 128 / 16;  // rows 64.. of the A tile, in 16-byte units
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int i = 0; i < kN / 2; ++i) fence_operand(acc[h][i]);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        const int scale = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_bf16<kN, kBMajorN ? 1 : 0, 0>(acc[0], desc_a + 2 * kk, desc_b + kStepB * kk, scale);
-        // Both halves always: a wgmma under a runtime condition makes ptxas serialize every
-        // wgmma of the kernel (C7520), which made the first build of this patch 1.7-2x
-        // slower. Rows 64-127 of a tile with <= 64 rows are computed and never stored.
-        wgmma_bf16<kN, kBMajorN ? 1 : 0, 0>(acc[1], desc_a + kHalfA + 2 * kk,
-                                            desc_b + kStepB * kk, scale);
-      }
-      wgmma_commit();
-      wgmma_wait<1>();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int i = 0; i < kN / 2; ++i) fence_operand(acc[h][i]);
-      }
-      if (previous >= 0 && leader) mbarrier_arrive(&smem.empty[previous]);
-      previous = stage;
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
-    }
-    // The other consumer's mainloop may start now: its MMAs queue behind this tile's last
-    // ones instead of waiting for them to drain.
-    if (leader) mbarrier_arrive(&smem.order[1 - consumer]);
-    wgmma_wait<0>();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int i = 0; i < kN / 2; ++i) fence_operand(acc[h][i]);
-    }
-    if (leader && previous >= 0) mbarrier_arrive(&smem.empty[previous]);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int rows = t.rows - 64 * h;
-      if (rows <= 0) break;
-      if (rows >= 64) {
-        store_slab_tma<kEpilogue, kN>(map_c, t, acc[h], 64 * h, 1 + consumer,
-                                      smem.staging[consumer][h]);
-      } else {
-        store_slab_direct<kEpilogue, kN>(p, t, acc[h], 64 * h);
-      }
-    }
-  }
-  if (leader) bulk_wait_group_all();  // shared memory must outlive the last stores
 }
 
 }  // namespace megamoe::sm90
