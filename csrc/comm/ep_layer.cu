@@ -95,7 +95,7 @@ struct BackwardWorkspace {
   size_t a;           // bf16 [P, I]
   size_t dp_partial;  // fp32 [R, n-tiles of I]
   size_t dp_rows;     // fp32 [R]
-  size_t token_rows;  // bf16 [P, H]: dy rows, then dx rows, then x rows
+  size_t token_rows;  // bf16 [P, H]: dx rows, then p dy rows, then x rows
   size_t total;
 };
 
@@ -784,21 +784,14 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     sm90::grouped_gemm(l1, stream);
     h = h_out;
   }
-  // dgrad of L2 with the SwiGLU backward: dh and p a padded, dp partials per received row,
-  // and the received dy rows copied into token_rows (padded) for dW_down = dy^T (p a).
+  // dgrad of L2 with the SwiGLU backward: dh and a padded, dp partials per received row.
   sm90::GroupedGemmArgs l2 = received_rows(g, r, recv_dy);
   l2.b = w_down;
   l2.k = H;
   l2.n = I;
   l2.c_padded = true;
   l2.c_rows = P;
-  sm90::SwiGLUBackwardArgs swiglu{h, dh, recv_weight, identity, dp_partial, a};
-  swiglu.a_copy = token_rows;
-  swiglu.a_out_weighted = true;
-  sm90::grouped_gemm_swiglu_backward(l2, swiglu, stream);
-  // dW_down now (local): token_rows holds the dx rows next.
-  sm90::grouped_gemm_wgrad(wgrad_args(token_rows, a, P, H, I, E_local, r.recv.tile_offsets,
-                                      d_w_down), stream);
+  sm90::grouped_gemm_swiglu_backward(l2, {h, dh, recv_weight, identity, dp_partial, a}, stream);
   // dgrad of L1: the dx rows, in received order.
   sm90::GroupedGemmArgs l1_dgrad = received_rows(g, r);
   l1_dgrad.a = dh;
@@ -814,7 +807,10 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   reduce_slot_partials(dp_partial, sm90::swiglu_backward_n_tiles(I), identity, R, dp_rows, stream);
   send_back(g, r, token_rows, nullptr, dp_rows, stream);
 
-  // dW_gate_up (local) while the peers finish: token_rows is free again.
+  // Weight gradients (local) while the peers finish: token_rows is free again.
+  gather_rows_padded(recv_dy, H, r.recv, E_local, recv_weight, P, token_rows, stream);
+  sm90::grouped_gemm_wgrad(wgrad_args(token_rows, a, P, H, I, E_local, r.recv.tile_offsets,
+                                      d_w_down), stream);
   gather_rows_padded(recv_x, H, r.recv, E_local, nullptr, P, token_rows, stream);
   sm90::grouped_gemm_wgrad(wgrad_args(dh, token_rows, P, 2 * I, H, E_local,
                                       r.recv.tile_offsets, d_w_gate_up), stream);

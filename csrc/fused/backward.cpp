@@ -51,17 +51,7 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
     h = b.h;
   }
 
-  const auto wgrad = [&](const __nv_bfloat16* lhs, const __nv_bfloat16* rhs, int64_t m,
-                         int64_t n, const WeightGrad& g) {
-    sm90::WgradArgs w{lhs, rhs, padded, m, n, E, b.plan.tile_offsets, g.bf16};
-    w.c_accumulate = g.f32;
-    sm90::grouped_gemm_wgrad(w, stream);
-  };
-  const bool d_w_down = out.d_w_down.bf16 != nullptr || out.d_w_down.f32 != nullptr;
-
   // z = w_down^T dy -> dh and a (padded: they feed the weight gradients) and dp partials.
-  // For dW_down = dy^T (p a), a leaves weighted and the gathered dy rows are copied into
-  // token_rows (padded) by the same kernel, which saves a separate gather of dy.
   sm90::GroupedGemmArgs l2 = rows;
   l2.a = dy;
   l2.a_row_index = b.plan.row_token;
@@ -70,14 +60,8 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
   l2.n = I;
   l2.c_padded = true;
   l2.c_rows = padded;
-  sm90::SwiGLUBackwardArgs swiglu{h, b.dh, topk_weights, b.plan.row_slot, b.dp_partial, b.a};
-  if (d_w_down) {
-    swiglu.a_copy = b.token_rows;
-    swiglu.a_out_weighted = true;
-  }
-  sm90::grouped_gemm_swiglu_backward(l2, swiglu, stream);
-  // dW_down now: token_rows holds the dx rows next.
-  if (d_w_down) wgrad(b.token_rows, b.a, H, I, out.d_w_down);
+  sm90::grouped_gemm_swiglu_backward(
+      l2, {h, b.dh, topk_weights, b.plan.row_slot, b.dp_partial, b.a}, stream);
 
   if (out.dx != nullptr) {
     // dx rows = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H), then combined.
@@ -97,6 +81,17 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
   if (out.d_topk_weights != nullptr) {
     reduce_slot_partials(b.dp_partial, sm90::swiglu_backward_n_tiles(I), b.plan.slot_row,
                          slots, out.d_topk_weights, stream);
+  }
+
+  const auto wgrad = [&](const __nv_bfloat16* lhs, const __nv_bfloat16* rhs, int64_t m,
+                         int64_t n, const WeightGrad& g) {
+    sm90::WgradArgs w{lhs, rhs, padded, m, n, E, b.plan.tile_offsets, g.bf16};
+    w.c_accumulate = g.f32;
+    sm90::grouped_gemm_wgrad(w, stream);
+  };
+  if (out.d_w_down.bf16 != nullptr || out.d_w_down.f32 != nullptr) {
+    gather_rows_padded(dy, H, b.plan, E, topk_weights, padded, b.token_rows, stream);
+    wgrad(b.token_rows, b.a, H, I, out.d_w_down);
   }
   if (out.d_w_gate_up.bf16 != nullptr || out.d_w_gate_up.f32 != nullptr) {
     gather_rows_padded(x, H, b.plan, E, nullptr, padded, b.token_rows, stream);

@@ -1,14 +1,12 @@
 // The fused layer's backward on one GPU:
 //   1. routing plan (rebuilt: deterministic, so the rows match the forward's);
 //      L1 recompute h = [g | u] (x rows gathered in the GEMM), unless the forward saved h;
-//   2. dgrad of L2:                 z = w_down^T dy (dy rows gathered, w_down read N-major;
-//      the gathered dy rows also stored, padded, for dW_down),
-//      epilogue: SwiGLU backward -> dh, p a (a = silu(g) u), per-tile partials of
-//      dp = <z, a>;
+//   2. dgrad of L2:                 z = w_down^T dy (dy rows gathered, w_down read N-major),
+//      epilogue: SwiGLU backward -> dh, a = silu(g) u, per-tile partials of dp = <z, a>;
 //   3. dgrad of L1:                 dx rows = dh . w_gate_up (read N-major), then the
 //      deterministic combine -> dx, and a fixed-order reduction -> d topk_weights;
 //   4. weight gradients (K-grouped over each expert's rows, zero-padded to 128):
-//      dW_down = dy^T (p a) (right after step 2), dW_gate_up = dh^T x.
+//      dW_down = (p dy)^T a, dW_gate_up = dh^T x.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -35,10 +35,10 @@ struct BackwardWorkspace {
   PlanWorkspace plan;
   size_t h;           // bf16 [T*k, 2I] recomputed L1 output (absent when h was saved)
   size_t dh;          // bf16 [P, 2I]
-  size_t a;           // bf16 [P, I] p silu(g) u
+  size_t a;           // bf16 [P, I] silu(g) u
   size_t dp_partial;  // fp32 [T*k, n-tiles of I]
-  // bf16 [P, H], used three times in stream order: the dy rows of dW_down (copied by the
-  // dgrad of L2), then the dx rows before their combine, then the x rows of dW_gate_up.
+  // bf16 [P, H], used three times in stream order: the dx rows before their combine, then
+  // the p * dy rows of dW_down, then the x rows of dW_gate_up.
   size_t token_rows;
   size_t total;
 };

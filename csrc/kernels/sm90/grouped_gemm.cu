@@ -68,18 +68,9 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
   const int n_tiles = static_cast<int>(out_width / kOutCols);
   check_args(a);
   if (a.a_rows == 0) return;
-  // A gathered by cp.async needs no tensor map: it describes the copy of the gathered rows
-  // (SwiGLUBackwardArgs::a_copy, stored in 64-row boxes) if there is one, else a valid map
-  // over the source.
-  const bool copy_a = backward != nullptr && backward->a_copy != nullptr;
-  if (copy_a && (!kGatherA || !a.c_padded || a.c_rows < 1 ||
-                 reinterpret_cast<uintptr_t>(backward->a_copy) % 16)) {
-    throw_invalid("grouped GEMM (SwiGLU backward): a_copy needs a gathered A, padded outputs "
-                  "(c_padded, c_rows) and 16-byte alignment");
-  }
+  // A gathered by cp.async needs no tensor map; pass a valid one over the source anyway.
   const CUtensorMap map_a =
-      copy_a ? make_tensor_map(backward->a_copy, a.c_rows, a.k, 64)
-             : make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
+      make_tensor_map(a.a, kGatherA ? a.a_source_rows : a.a_rows, a.k, kBlockM);
   const CUtensorMap map_b =
       kBMajorN ? make_tensor_map(a.b, a.num_experts * a.k, a.n, box_rows_b)
                : make_tensor_map(a.b, a.num_experts * a.b_rows_per_expert, a.k, box_rows_b);
@@ -124,8 +115,6 @@ void launch(const GroupedGemmArgs& a, int64_t half_n, cudaStream_t stream,
     p.row_slot = backward->row_slot;
     p.dp_partial = backward->dp_partial;
     p.a_out = backward->a_out;
-    p.a_out_weighted = backward->a_out_weighted;
-    p.a_copy = backward->a_copy;
   }
 
   int device = 0, sms = 0;

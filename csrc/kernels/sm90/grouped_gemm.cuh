@@ -52,12 +52,6 @@ struct GroupedGemmParams {
   const int32_t* row_slot;        // [rows] slot of each sorted row
   float* dp_partial;              // [rows, n_tiles] out: sum over the tile's columns of z*a
   __nv_bfloat16* a_out;           // [rows, I] out (optional): a = silu(g) u, for dW_down
-  int32_t a_out_weighted;         // a_out holds p a (dW_down = dy^T (p a), with a_copy)
-  // Gathered A, optional (kSwiGLUBackward with c_padded): set when map_a describes a
-  // [c_rows, k] matrix that receives each gathered A tile in the padded layout (pad rows
-  // zero), stored by TMA from the tile's shared-memory stage: dW_down's dy operand without
-  // a separate gather.
-  const void* a_copy;
   // Padded row layout (the backward's weight-gradient operands): expert e's rows start at
   // tile_offsets[e] * 128, pad rows up to the next 128 are zeros. a_padded: a materialised
   // A is laid out so; c_padded: the outputs (C, dh, a_out) are, pad rows written as zeros
@@ -300,15 +294,13 @@ __device__ __forceinline__ void accumulate_slab_f32(const GroupedGemmParams& p,
 
 // The SwiGLU backward of one column pair of a row, from z = w_down^T dy (two accumulators),
 // the row's [gate | up] values as bf16 pairs and its router weight p: dg, du and
-// a_weight * a, a = silu(g) u, as bf16 pairs, and the pair's share of dp = <z, a> added to
-// `partial`.
+// a = silu(g) u as bf16 pairs, and the pair's share of dp = <z, a> added to `partial`.
 struct SwiGLUGradPair {
   __nv_bfloat162 dg, du, a;
 };
 __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[2],
                                                                unsigned g_bits, unsigned u_bits,
-                                                               float weight, float a_weight,
-                                                               float& partial) {
+                                                               float weight, float& partial) {
   const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g_bits));
   const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u_bits));
   const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
@@ -324,7 +316,7 @@ __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[
     du[j] = da * silu_g;
   }
   return {__floats2bfloat162_rn(dg[0], dg[1]), __floats2bfloat162_rn(du[0], du[1]),
-          __floats2bfloat162_rn(a_weight * a[0], a_weight * a[1])};
+          __floats2bfloat162_rn(a[0], a[1])};
 }
 
 // The slab's dp partials: the four lanes of a quad hold all columns of the same two rows;
@@ -386,7 +378,6 @@ __device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmPara
     }
     const int64_t row = t.row0 + slab + r;
     const float weight = __ldg(&p.slot_weights[__ldg(&p.row_slot[row])]);
-    const float a_weight = p.a_out_weighted ? weight : 1.f;
     const auto* h_gate = reinterpret_cast<const unsigned*>(p.h + row * ld + col0);
     const auto* h_up = reinterpret_cast<const unsigned*>(p.h + row * ld + p.half_n + col0);
 #pragma unroll
@@ -401,8 +392,7 @@ __device__ __forceinline__ void store_slab_swiglu_backward(const GroupedGemmPara
       for (int i = 0; i < kLoadBatch; ++i) {
         const int q = q0 + i;
         const float z[2] = {acc[q * 4 + half * 2], acc[q * 4 + half * 2 + 1]};
-        const SwiGLUGradPair out = swiglu_backward_pair(z, g_bits[i], u_bits[i], weight, a_weight,
-                                                        partial[half]);
+        const SwiGLUGradPair out = swiglu_backward_pair(z, g_bits[i], u_bits[i], weight, partial[half]);
         *reinterpret_cast<__nv_bfloat162*>(dg_out + q * 8) = out.dg;
         *reinterpret_cast<__nv_bfloat162*>(du_out + q * 8) = out.du;
         if (a_out) *reinterpret_cast<__nv_bfloat162*>(a_out + q * 8) = out.a;
@@ -492,8 +482,7 @@ __device__ __forceinline__ void store_slab_swiglu_backward_tma(
         const float z[2] = {valid[half] ? acc[q * 4 + half * 2] : 0.f,
                             valid[half] ? acc[q * 4 + half * 2 + 1] : 0.f};
         const SwiGLUGradPair out =
-            swiglu_backward_pair(z, g_bits[i], u_bits[i], weight[half],
-                                 p.a_out_weighted ? weight[half] : 1.f, partial[half]);
+            swiglu_backward_pair(z, g_bits[i], u_bits[i], weight[half], partial[half]);
         const int at = r * 128 + ((i ^ (r % 8)) * 16) + pair * 2;
         *reinterpret_cast<__nv_bfloat162*>(staging + at) = out.dg;
         *reinterpret_cast<__nv_bfloat162*>(staging + kStoreBoxBytes + at) = out.du;
@@ -594,7 +583,6 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
                                                  int num_tiles, int k_blocks) {
   constexpr int kStages = TileConfig<kEpilogue, kBlockN>::kStages;
   constexpr int kRowsPerThread = kBlockM / 16;
-  constexpr bool kCopyA = kEpilogue == Epilogue::kSwiGLUBackward;  // see GroupedGemmParams::a_copy
   const int thread = threadIdx.x;  // 0..127
   const int chunk = thread % 8;
   if (thread == 0) prefetch_tensor_map(&map_b);
@@ -603,8 +591,7 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoords t = locate_tile(p, tile);
     // Token of each of this thread's rows; -1 past the expert's end (never stored: their
-    // shared memory is left as it is, unless the tile is copied out: then zeros, the pad
-    // rows of the copy). 32-bit to stay inside the producer's 56 registers.
+    // shared memory is left as it is). 32-bit to stay inside the producer's 56 registers.
     int32_t token[kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
@@ -624,8 +611,6 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
         if (token[i] >= 0) {
           cp_async_16(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16),
                       p.a_source + int64_t(token[i]) * p.k + kb * kBlockK + chunk * 8);
-        } else if (kCopyA && p.a_copy != nullptr) {
-          cp_async_16_zero(a_tile + r * 128 + ((chunk ^ (r % 8)) * 16), p.a_source);
         }
       }
       cp_async_mbarrier_arrive(&smem.full[stage]);
@@ -636,8 +621,7 @@ __device__ __forceinline__ void produce_gathered(const CUtensorMap& map_b,
 
 template <Epilogue kEpilogue, int kBlockN, bool kGatherA, bool kBMajorN, bool kWgrad = false>
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_gemm_kernel(// A by TMA; gathered A: GroupedGemmParams::a_copy's matrix (or unused).
-                        const __grid_constant__ CUtensorMap map_a,
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_c,
                         // kSwiGLU: the saved h; kSwiGLUBackward: a_out.
@@ -687,14 +671,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t h_phase = 0;  // kHByTma: parity of this warpgroup's next h quarter
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoords t = locate<kWgrad>(p, tile);
-    // GroupedGemmParams::a_copy: the n_tiles tiles of an M-tile share its k-blocks' stores
-    // (N-tile j stores k-blocks j, j + n_tiles, ..., so every block carries the same share:
-    // with 132 SMs and n_tiles dividing 132, "N-tile 0 stores all" put every store on the
-    // same 132 / n_tiles SMs); each warpgroup's releasing thread stores its 64 rows (one 64 x
-    // 64 box) and gives a stage back only once its store has read it.
-    constexpr bool kCopyA = kEpilogue == Epilogue::kSwiGLUBackward && kGatherA;
-    const bool copy_a = kCopyA && p.a_copy != nullptr && releases;
-    bool copied_previous = false;
     if constexpr (Config::kHByTma) {
       // The epilogue's first quarter of h, fetched under this tile's MMAs (the buffers were
       // released by the last tile's epilogue, whose final barrier every thread has passed).
@@ -712,12 +688,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbarrier_wait(&smem.full[stage], phase);
       // Gathered A rows were written through the generic proxy; wgmma reads the async one.
       if constexpr (kGatherA) fence_proxy_async_shared();
-      const bool copy_stage = copy_a && kb % p.n_tiles == t.n_tile;
-      if (copy_stage) {
-        tma_store_2d(&map_a, smem.a[stage] + consumer * 64 * kBlockK, kb * kBlockK,
-                     t.out_row0 + consumer * 64);
-        bulk_commit_group();
-      }
       // kWgrad: this warpgroup's 64 M-rows are one 64-element box of the M-major A tile.
       const uint64_t desc_a =
           kWgrad ? smem_desc_mn_major_sw128(smem.a[stage] + consumer * 64 * kBlockK, 64 * 128, 8 * 128)
@@ -744,23 +714,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
-      if (previous >= 0 && releases) {
-        if (copied_previous) {  // its copy must have read it (this stage's may still fly)
-          copy_stage ? bulk_wait_group_read<1>() : bulk_wait_group_read_all();
-        }
-        mbarrier_arrive(&smem.empty[previous]);
-      }
-      copied_previous = copy_stage;
+      if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
       previous = stage;
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < Config::kAccumulators; ++i) fence_operand(acc[i]);
-    if (previous >= 0 && releases) {
-      if (copied_previous) bulk_wait_group_read_all();
-      mbarrier_arrive(&smem.empty[previous]);
-    }
+    if (previous >= 0 && releases) mbarrier_arrive(&smem.empty[previous]);
     if constexpr (kWgrad) {
       if (p.c_f32 != nullptr) {
         accumulate_slab_f32<kBlockN>(p, t, acc, consumer);

@@ -64,13 +64,6 @@ struct SwiGLUBackwardArgs {
   const int32_t* row_slot;     // [rows]
   float* dp_partial;           // [rows, swiglu_backward_n_tiles(I)]
   __nv_bfloat16* a_out;        // optional [rows, I]: a = silu(g) u (padded with args.c_padded)
-  // Optional, with a gathered A and args.c_padded: the gathered A rows (dy) also written
-  // to a_copy [args.c_rows, args.k] in the padded layout, zeros in pad rows (rows from
-  // tile_offsets[E] * 128 on untouched), as gather_rows_padded would without weights.
-  __nv_bfloat16* a_copy = nullptr;
-  // a_out holds p a instead of a (the router weight applied), so that
-  // dW_down = (p dy)^T a = dy^T (p a) can take a_copy's unweighted rows.
-  bool a_out_weighted = false;
 };
 void grouped_gemm_swiglu_backward(const GroupedGemmArgs& args, const SwiGLUBackwardArgs& bw,
                                   cudaStream_t stream);
@@ -78,7 +71,7 @@ int64_t swiglu_backward_n_tiles(int64_t intermediate);
 
 // Weight gradient, K-grouped over the experts' padded rows r (zeros in pad rows):
 //   c[e * m + i, j] = sum_r a[r, i] * b[r, j]     (a [rows, m], b [rows, n], both row-major)
-// e.g. dW_down = dy^T (p a) and dW_gate_up = dh^T x. An expert without rows gets zeros.
+// e.g. dW_down = (p dy)^T a and dW_gate_up = dh^T x. An expert without rows gets zeros.
 struct WgradArgs {
   const __nv_bfloat16* a;
   const __nv_bfloat16* b;

@@ -76,11 +76,6 @@ __device__ __forceinline__ void bulk_commit_group() {
 __device__ __forceinline__ void bulk_wait_group_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
-// The same, leaving this thread's `kPending` most recent groups in flight.
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_group_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
 // Waits until this thread's committed bulk stores are complete.
 __device__ __forceinline__ void bulk_wait_group_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -101,12 +96,6 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 // 16 bytes global -> shared, bypassing L1.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
-               : "memory");
-}
-// 16 zero bytes into shared memory through the same cp.async path (source size 0: `src`, a
-// valid global address, is not read), so cp.async.mbarrier.arrive covers them too.
-__device__ __forceinline__ void cp_async_16_zero(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 0;" ::"r"(smem_addr(dst)), "l"(src)
                : "memory");
 }
 
