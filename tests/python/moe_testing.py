@@ -1,4 +1,4 @@
-"""Test helpers: fresh random problems and error measures (DESIGN.md section 6)."""
+"""Test helpers: fresh random problems and error measures (docs/design.md, "Correctness")."""
 
 from __future__ import annotations
 
