@@ -126,7 +126,8 @@ def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w_gate_up, w_down, _, acc_gate_up, acc_down = inputs
     _, h = output
     ctx.mark_non_differentiable(h)
-    ctx.set_materialize_grads(False)  # no zero-filled gradient for h (measured 0.12-0.24 ms)
+    # h never gets a gradient: without this, autograd fills a zero tensor of h's size.
+    ctx.set_materialize_grads(False)
     ctx.weights_dtype = topk_weights.dtype
     ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, h, acc_gate_up,
                           acc_down)
