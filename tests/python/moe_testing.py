@@ -53,8 +53,8 @@ BF16_RMS_ROUNDING = 2.0 ** -7 / 12 ** 0.5 * (0.375 / math.log(2)) ** 0.5  # 1.66
 # The standard deviation of (dp_j - ref_j) / ||z * a|| for a bf16 implementation: five
 # roundings, whose variances weigh 1 each except the gate's (times (silu' g / silu)^2, about
 # 1.4) and o's (times ||dy * o||^2 / ||z * a||^2, about 1.3), give BF16_RMS_ROUNDING *
-# sqrt(5.6) = 3.9e-3 at the median slot and 4.5e-3 at the 99th percentile; this is the
-# latter. (The fused kernels round fewer times.)
+# sqrt(5.6) = 3.9e-3 at the median slot and about 4.5e-3 at the 99th percentile; this is
+# the latter (tools/dp_noise.py measures both). The fused kernels round fewer times.
 DP_NOISE = 4.5e-3
 # The chance that bf16 noise alone fails one few-slot d topk_weights check.
 DP_FALSE_FAILURE = 1e-6

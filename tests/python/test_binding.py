@@ -138,7 +138,8 @@ def test_every_function_is_declared_with_the_header_types(header):
     for fn, (ret, args) in header.functions.items():
         bound_ret, bound_args = _lib.SIGNATURES[fn]
         assert same_type(bound_ret, ret), f"{fn} returns {name(ret)}, bound as {name(bound_ret)}"
-        assert len(bound_args) == len(args), f"{fn} takes {len(args)} arguments, bound {len(bound_args)}"
+        assert len(bound_args) == len(args), (
+            f"{fn} takes {len(args)} arguments, bound {len(bound_args)}")
         for i, (bound, c) in enumerate(zip(bound_args, args)):
             assert same_type(bound, c), f"{fn} argument {i}: {name(c)} in C, {name(bound)} bound"
 
@@ -170,7 +171,7 @@ def test_array_bounds_and_dtype_codes_match(header):
         assert header.macros[macro] == value, macro
     codes = {member.removeprefix("MEGAMOE_DTYPE_"): value
              for member, value in header.enums["megamoe_dtype"].items()}
-    assert set(codes) <= set(TORCH_DTYPES), f"megamoe_dtype has a member with no torch dtype: {codes}"
+    assert set(codes) <= set(TORCH_DTYPES), f"a megamoe_dtype member has no torch dtype: {codes}"
     assert {TORCH_DTYPES[n]: v for n, v in codes.items()} == _lib._DTYPE_CODES
 
 
