@@ -2,9 +2,9 @@
 # CUDA compiler launcher (CMakeLists.txt): runs one nvcc command and fails it when ptxas
 # reports serialized wgmma (C7520, "Potential Performance Loss: wgmma.mma_async
 # instructions are serialized"). ptxas prints that as information and the build goes on,
-# yet every wgmma of the kernel then waits for the previous one: a ping-pong GEMM built so
-# ran 1.7-2x slower and was measured for a session before the cause was seen (PERFLOG,
-# second session of 2026-11-30).
+# yet every wgmma of the kernel then waits for the previous one, which no test notices and
+# which costs a GEMM far more than the note's wording suggests (PERFLOG, second session of
+# 2026-11-30, has the measured case).
 set -uo pipefail
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

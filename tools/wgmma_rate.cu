@@ -4,17 +4,12 @@
 // grouped GEMM's k-block rhythm (4 k-steps per commit, wait_group 1). Operands are
 // whatever shared memory holds (zeros): only the rate is measured.
 //
-// Why: the ping-pong schedule (docs/wip/pingpong-128x128.patch) lets one warpgroup issue
-// at a time, each with two m64n128 accumulator sets, and measured 1.7-2x slower than the
-// cooperative kernel (two warpgroups at once, one m64n256 set each). This separates "one
-// warpgroup cannot keep the tensor cores busy" from a fault of that kernel (it was one:
-// ptxas had serialized its wgmma, C7520; see docs/pingpong-plan.md). The second part runs
-// one MMA warpgroup beside a stand-in for the other's epilogue.
-//
-// Measured (one H200, 2026-11-30, bench/results/history/ab-wip-patches-83b945a.txt): every
-// configuration 958-970 TFLOP/s, with or without the epilogue stand-in beside it (run
-// before the two kernels' MMA loops and timing loops were folded into issue_mmas and
-// time_ms; what is issued and timed did not change).
+// Why: a schedule in which one warpgroup issues MMAs at a time (a ping-pong of the two
+// consumers, each with two m64n128 accumulator sets) only pays if one warpgroup can keep
+// the tensor cores as busy as two issuing m64n256 together; this measures that apart from
+// any GEMM kernel. The second part runs one MMA warpgroup beside a stand-in for the other's
+// epilogue (shared stores, proxy fences, named barriers, a bulk store), to see whether an
+// epilogue next to the MMAs slows them. Results: PERFLOG, second session of 2026-11-30.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
 //          tools/wgmma_rate.cu -o build-ab/wgmma_rate

@@ -1,4 +1,4 @@
-// Reference backward of L = <dy, y> (DESIGN.md section 1). Two passes, each recomputing
+// Reference backward of L = <dy, y> (docs/design.md, "The layer"). Two passes, each recomputing
 // the forward pieces it needs so no [T, k, I]-sized activations are stored:
 //   token pass  (parallel over tokens):  dx_t and dp_j, summed over the token's slots;
 //   expert pass (parallel over experts): dw_down[e] and dw_gate_up[e], summed over the

@@ -9,7 +9,7 @@
  * a message for the calling thread that names the offending argument and what was
  * expected. No function aborts the process on bad input.
  *
- * Layer math (DESIGN.md section 1), for token t with top-k experts e_j and weights p_j:
+ * Layer math (docs/design.md, "The layer"), for token t with top-k experts e_j and weights p_j:
  *   h_j = w_gate_up[e_j] @ x_t ; a_j = silu(h_j[:I]) * h_j[I:] ; o_j = w_down[e_j] @ a_j
  *   y_t = sum_j p_j * o_j      (a slot with expert id -1 contributes nothing, dp_j = 0)
  * Shapes: x [T, H]; topk_ids [T, k]; topk_weights [T, k]; w_gate_up [E, 2I, H] (rows

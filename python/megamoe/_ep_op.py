@@ -18,25 +18,13 @@ from ._fused_op import grad_outputs, grad_targets, keeps_h
 _ALL = [True, True, True, True]
 
 
-def _workspace(size: int, device) -> tuple[Tensor, int]:
-    return torch.empty(size, dtype=torch.uint8, device=device), size
+def _forward_workspace_bytes(buf, T: int, I: int) -> int:
+    return _lib.call_for_size("megamoe_ep_workspace_size", ctypes.byref(buf._struct), T, I)
 
 
-def _forward_workspace(buf, T: int, I: int, device) -> tuple[Tensor, int]:
-    size = ctypes.c_size_t()
-    _lib.call("megamoe_ep_workspace_size", ctypes.byref(buf._struct), T, I, ctypes.byref(size))
-    return _workspace(size.value, device)
-
-
-def _backward_workspace(buf, T: int, I: int, h_saved: bool, device) -> tuple[Tensor, int]:
-    size = ctypes.c_size_t()
-    _lib.call("megamoe_ep_backward_workspace_size", ctypes.byref(buf._struct), T, I,
-              int(h_saved), ctypes.byref(size))
-    return _workspace(size.value, device)
-
-
-def _stream(device) -> ctypes.c_void_p:
-    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+def _backward_workspace_bytes(buf, T: int, I: int, h_saved: bool) -> int:
+    return _lib.call_for_size("megamoe_ep_backward_workspace_size", ctypes.byref(buf._struct),
+                              T, I, int(h_saved))
 
 
 def _h_shape(buffer_id: int, w_gate_up: Tensor) -> tuple[int, int]:
@@ -56,11 +44,12 @@ def fused_ep_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_u
     h = x.new_empty(_h_shape(buffer_id, w_gate_up)) if save_h else x.new_empty((0,))
     weights = topk_weights.float().contiguous()
     with torch.cuda.device(x.device):
-        workspace, nbytes = _forward_workspace(buf, x.shape[0], w_gate_up.shape[1] // 2, x.device)
+        nbytes = _forward_workspace_bytes(buf, x.shape[0], w_gate_up.shape[1] // 2)
+        workspace = _lib.workspace(nbytes, x.device)
         d = [_lib.describe(t) for t in (x, topk_ids, weights, w_gate_up, w_down, y)]
         d.append(_lib.describe(h) if save_h else None)
         _lib.call("megamoe_ep_forward", ctypes.byref(buf._struct), *(_lib.ref(v) for v in d),
-                  ctypes.c_void_p(workspace.data_ptr()), nbytes, _stream(x.device))
+                  ctypes.c_void_p(workspace.data_ptr()), nbytes, _lib.stream(x.device))
     return y, h
 
 
@@ -84,13 +73,13 @@ def fused_ep_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Ten
     grads = grad_outputs(x, topk_ids, w_gate_up, w_down, _ALL, acc_gate_up, acc_down)
     targets = grad_targets(grads, acc_gate_up, acc_down)
     with torch.cuda.device(x.device):
-        workspace, nbytes = _backward_workspace(buf, T, w_gate_up.shape[1] // 2, h_saved,
-                                                x.device)
+        nbytes = _backward_workspace_bytes(buf, T, w_gate_up.shape[1] // 2, h_saved)
+        workspace = _lib.workspace(nbytes, x.device)
         d = [_lib.describe(t) for t in (dy, x, topk_ids, topk_weights, w_gate_up, w_down)]
         d.append(_lib.describe(saved_h) if h_saved else None)
         d += [_lib.describe(t) for t in targets]
         _lib.call("megamoe_ep_backward", ctypes.byref(buf._struct), *(_lib.ref(v) for v in d),
-                  ctypes.c_void_p(workspace.data_ptr()), nbytes, _stream(x.device))
+                  ctypes.c_void_p(workspace.data_ptr()), nbytes, _lib.stream(x.device))
     return tuple(grads)
 
 

@@ -16,9 +16,12 @@ import torch
 
 from .errors import LibraryError, MegaMoEError
 
-MAX_DIMS = 4
+# Mirrors of include/megamoe/megamoe.h; tests/python/test_binding.py parses the header and
+# fails when the two differ.
+MAX_DIMS = 4  # MEGAMOE_MAX_DIMS
+MAX_RANKS = 8  # MEGAMOE_EP_MAX_RANKS
 
-_DTYPE_CODES = {
+_DTYPE_CODES = {  # megamoe_dtype
     torch.float32: 0,
     torch.float64: 1,
     torch.bfloat16: 2,
@@ -38,6 +41,24 @@ class TensorDescriptor(ctypes.Structure):
         ("ndim", ctypes.c_int32),
         ("shape", ctypes.c_int64 * MAX_DIMS),
         ("strides", ctypes.c_int64 * MAX_DIMS),
+    ]
+
+
+class EpGroupStruct(ctypes.Structure):
+    """Mirror of `megamoe_ep_group`."""
+
+    _fields_ = [
+        ("rank", ctypes.c_int32),
+        ("world_size", ctypes.c_int32),
+        ("buffers", ctypes.c_void_p * MAX_RANKS),
+        ("buffer_bytes", ctypes.c_uint64),
+        ("num_experts", ctypes.c_int64),
+        ("max_tokens_per_rank", ctypes.c_int64),
+        ("topk", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("max_recv_rows", ctypes.c_int64),
+        ("timeout_ns", ctypes.c_int64),
+        ("num_comm_sms", ctypes.c_int32),
     ]
 
 
@@ -64,50 +85,44 @@ def _candidate_paths() -> list[Path]:
     return [Path(__file__).resolve().parent / "libmegamoe.so"]
 
 
-_PTR = ctypes.POINTER(TensorDescriptor)
+_TENSOR = ctypes.POINTER(TensorDescriptor)
+_GROUP = ctypes.POINTER(EpGroupStruct)
+_SIZE_OUT = ctypes.POINTER(ctypes.c_size_t)
+_STATUS = ctypes.c_int  # megamoe_status (a C enum is an int)
+_I64, _I32 = ctypes.c_int64, ctypes.c_int32
+_TAIL = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # workspace, its bytes, stream
+
+# Every function of megamoe.h: name -> (return type, argument types).
+SIGNATURES = {
+    "megamoe_version": (ctypes.c_char_p, []),
+    "megamoe_version_number": (_I32, []),
+    "megamoe_last_error": (ctypes.c_char_p, []),
+    "megamoe_clear_error": (None, []),
+    "megamoe_status_name": (ctypes.c_char_p, [_STATUS]),
+    "megamoe_dtype_size": (ctypes.c_size_t, [ctypes.c_int]),
+    "megamoe_reference_forward": (_STATUS, [_TENSOR] * 6),
+    "megamoe_reference_backward": (_STATUS, [_TENSOR] * 10),
+    "megamoe_cuda_device_count": (_STATUS, [ctypes.POINTER(_I32)]),
+    "megamoe_routing_counts": (_STATUS, [_TENSOR, _I64, _TENSOR, _TENSOR, ctypes.c_void_p]),
+    "megamoe_fused_workspace_size": (_STATUS, [_I64] * 5 + [_SIZE_OUT]),
+    "megamoe_fused_forward": (_STATUS, [_TENSOR] * 7 + _TAIL),
+    "megamoe_fused_backward_workspace_size": (_STATUS, [_I64] * 5 + [_I32, _SIZE_OUT]),
+    "megamoe_fused_backward": (_STATUS, [_TENSOR] * 11 + _TAIL),
+    "megamoe_ep_buffer_size": (_STATUS, [_GROUP, _SIZE_OUT]),
+    "megamoe_ep_workspace_size": (_STATUS, [_GROUP, _I64, _I64, _SIZE_OUT]),
+    "megamoe_ep_backward_workspace_size": (_STATUS, [_GROUP, _I64, _I64, _I32, _SIZE_OUT]),
+    "megamoe_ep_error_offset": (_STATUS, [_GROUP, _SIZE_OUT]),
+    "megamoe_ep_describe_error": (_STATUS, [_I32, ctypes.c_char_p, ctypes.c_size_t]),
+    "megamoe_ep_forward": (_STATUS, [_GROUP] + [_TENSOR] * 7 + _TAIL),
+    "megamoe_ep_backward": (_STATUS, [_GROUP] + [_TENSOR] * 11 + _TAIL),
+}
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.megamoe_version.restype = ctypes.c_char_p
-    lib.megamoe_version.argtypes = []
-    lib.megamoe_last_error.restype = ctypes.c_char_p
-    lib.megamoe_last_error.argtypes = []
-    lib.megamoe_status_name.restype = ctypes.c_char_p
-    lib.megamoe_status_name.argtypes = [ctypes.c_int]
-    lib.megamoe_reference_forward.restype = ctypes.c_int
-    lib.megamoe_reference_forward.argtypes = [_PTR] * 6
-    lib.megamoe_reference_backward.restype = ctypes.c_int
-    lib.megamoe_reference_backward.argtypes = [_PTR] * 10
-    lib.megamoe_cuda_device_count.restype = ctypes.c_int
-    lib.megamoe_cuda_device_count.argtypes = [ctypes.POINTER(ctypes.c_int32)]
-    lib.megamoe_routing_counts.restype = ctypes.c_int
-    lib.megamoe_routing_counts.argtypes = [_PTR, ctypes.c_int64, _PTR, _PTR, ctypes.c_void_p]
-    lib.megamoe_fused_workspace_size.restype = ctypes.c_int
-    lib.megamoe_fused_workspace_size.argtypes = [ctypes.c_int64] * 5 + [ctypes.POINTER(ctypes.c_size_t)]
-    lib.megamoe_fused_forward.restype = ctypes.c_int
-    lib.megamoe_fused_forward.argtypes = [_PTR] * 7 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    lib.megamoe_fused_backward_workspace_size.restype = ctypes.c_int
-    lib.megamoe_fused_backward_workspace_size.argtypes = (
-        [ctypes.c_int64] * 5 + [ctypes.c_int32, ctypes.POINTER(ctypes.c_size_t)])
-    lib.megamoe_ep_buffer_size.restype = ctypes.c_int
-    lib.megamoe_ep_buffer_size.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-    lib.megamoe_ep_workspace_size.restype = ctypes.c_int
-    lib.megamoe_ep_workspace_size.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                              ctypes.POINTER(ctypes.c_size_t)]
-    lib.megamoe_ep_backward_workspace_size.restype = ctypes.c_int
-    lib.megamoe_ep_backward_workspace_size.argtypes = [ctypes.c_void_p, ctypes.c_int64,
-                                                       ctypes.c_int64, ctypes.c_int32,
-                                                       ctypes.POINTER(ctypes.c_size_t)]
-    lib.megamoe_ep_backward.restype = ctypes.c_int
-    lib.megamoe_ep_backward.argtypes = [ctypes.c_void_p] + [_PTR] * 11 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    lib.megamoe_ep_error_offset.restype = ctypes.c_int
-    lib.megamoe_ep_error_offset.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-    lib.megamoe_ep_describe_error.restype = ctypes.c_int
-    lib.megamoe_ep_describe_error.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
-    lib.megamoe_ep_forward.restype = ctypes.c_int
-    lib.megamoe_ep_forward.argtypes = [ctypes.c_void_p] + [_PTR] * 7 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    lib.megamoe_fused_backward.restype = ctypes.c_int
-    lib.megamoe_fused_backward.argtypes = [_PTR] * 11 + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+def _declare(lib) -> None:
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
 
 
 @functools.cache
@@ -139,6 +154,13 @@ def call(name: str, *args) -> None:
         raise LibraryError(name, status_name, message)
 
 
+def call_for_size(name: str, *args) -> int:
+    """Calls a library query whose last argument is a `size_t*` out value; returns it."""
+    size = ctypes.c_size_t()
+    call(name, *args, ctypes.byref(size))
+    return size.value
+
+
 def library_version() -> str:
     return library().megamoe_version().decode()
 
@@ -146,3 +168,14 @@ def library_version() -> str:
 def ref(desc: TensorDescriptor | None):
     """Pointer argument for an optional descriptor (NULL for None)."""
     return ctypes.byref(desc) if desc is not None else None
+
+
+def stream(device) -> ctypes.c_void_p:
+    """The current CUDA stream of `device`, as the library's `void* cuda_stream`."""
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def workspace(nbytes: int, device) -> torch.Tensor:
+    """Device scratch memory for one call. The library needs 256-byte alignment, which the
+    caching allocator's blocks (512-byte aligned) give, and no initialisation."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)

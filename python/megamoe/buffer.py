@@ -20,27 +20,9 @@ import torch.distributed as dist
 from . import _lib
 from .errors import MegaMoEError
 
-MAX_RANKS = 8
+MAX_RANKS = _lib.MAX_RANKS
 _BUFFERS: dict[int, "Buffer"] = {}  # by id, for the custom op (it takes ints, not objects)
 _IDS = itertools.count(1)
-
-
-class EpGroupStruct(ctypes.Structure):
-    """Mirror of `megamoe_ep_group`."""
-
-    _fields_ = [
-        ("rank", ctypes.c_int32),
-        ("world_size", ctypes.c_int32),
-        ("buffers", ctypes.c_void_p * MAX_RANKS),
-        ("buffer_bytes", ctypes.c_uint64),
-        ("num_experts", ctypes.c_int64),
-        ("max_tokens_per_rank", ctypes.c_int64),
-        ("topk", ctypes.c_int64),
-        ("hidden", ctypes.c_int64),
-        ("max_recv_rows", ctypes.c_int64),
-        ("timeout_ns", ctypes.c_int64),
-        ("num_comm_sms", ctypes.c_int32),
-    ]
 
 
 class Buffer:
@@ -85,25 +67,23 @@ class Buffer:
         self.max_tokens_per_rank, self.hidden, self.intermediate = settings[:3]
         self.num_experts, self.topk, self.max_recv_rows = settings[3:]
         self.num_comm_sms = num_comm_sms
-        self._struct = EpGroupStruct(rank=rank, world_size=world, num_experts=num_experts,
+        self._struct = _lib.EpGroupStruct(rank=rank, world_size=world, num_experts=num_experts,
                                      max_tokens_per_rank=max_tokens_per_rank, topk=topk,
                                      hidden=hidden, max_recv_rows=max_recv_rows,
                                      timeout_ns=int(timeout_s * 1e9),
                                      num_comm_sms=num_comm_sms or 0)
-        size = ctypes.c_size_t()
-        _lib.call("megamoe_ep_buffer_size", ctypes.byref(self._struct), ctypes.byref(size))
-        offset = ctypes.c_size_t()
-        _lib.call("megamoe_ep_error_offset", ctypes.byref(self._struct), ctypes.byref(offset))
-        self._error_offset = offset.value
+        size = _lib.call_for_size("megamoe_ep_buffer_size", ctypes.byref(self._struct))
+        self._error_offset = _lib.call_for_size("megamoe_ep_error_offset",
+                                                ctypes.byref(self._struct))
 
         import torch.distributed._symmetric_memory as symm_mem
 
         device = torch.device("cuda", torch.cuda.current_device())
-        self._memory = symm_mem.empty(size.value, dtype=torch.uint8, device=device)
+        self._memory = symm_mem.empty(size, dtype=torch.uint8, device=device)
         self._memory.zero_()  # the control area's generations and signals start at 0, once
         self._handle = symm_mem.rendezvous(self._memory, group)
         self._handle.barrier()
-        self._struct.buffer_bytes = size.value
+        self._struct.buffer_bytes = size
         for r, ptr in enumerate(self._handle.buffer_ptrs):
             self._struct.buffers[r] = ptr
         self.device = device

@@ -1,4 +1,4 @@
-"""The layer's math (DESIGN.md section 1) in plain PyTorch, at a chosen compute precision.
+"""The layer's math (docs/design.md, "The layer") in plain PyTorch, at a chosen compute precision.
 
 This is the oracle for CUDA tensors (float64 in tests, float32 behind backend="reference")
 and mirrors the C++ CPU reference, which the tests check it against. Every sum over the

@@ -1,5 +1,5 @@
 // Test helpers: host tensors with arbitrary element strides, random problems and an
-// independent, deliberately naive forward written from DESIGN.md section 1.
+// independent, deliberately naive forward written from the math in docs/design.md ("The layer").
 #pragma once
 
 #include <algorithm>

@@ -247,8 +247,8 @@ def main():
     if rank == 0:
         print("EP check:", "PASSED" if passed else "FAILED", flush=True)
     # Leave without the interpreter's teardown: gloo's worker threads can still hold work
-    # objects with tensors then, and freeing them during finalization aborts the process
-    # (std::terminate, seen once in CI after every case had passed). Everything is reported.
+    # objects with tensors then, and freeing them during finalization can abort the process
+    # (std::terminate) after every case has passed. Everything is reported by now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if passed else 1)

@@ -12,8 +12,7 @@ from megamoe import _lib, reference
 from megamoe._fused_op import (backward_workspace_bytes, fused_moe_backward, fused_moe_forward,
                                workspace_bytes)
 from moe_testing import FUSED_CASES as CASES
-from moe_testing import (FEW_SLOTS, dp_error_by_term_scale, make_problem, needs_cuda, rel_err,
-                         run_with_grads)
+from moe_testing import dp_error_and_bound, make_problem, needs_cuda, rel_err, run_with_grads
 
 pytestmark = [needs_cuda, pytest.mark.gpu]
 ARGS = ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")
@@ -62,17 +61,14 @@ def _poisoned_backward(p, mode):
     return grads
 
 
-def _check_grads(label, grads, ref, p=None):
-    errs = {name: rel_err(g, r) for name, g, r in zip(GRADS, grads, ref)}
-    print(f"{label}: " + ", ".join(f"d{n} {e:.2e}" for n, e in errs.items()))
-    few_slots = p is not None and p["topk_ids"].numel() < FEW_SLOTS
-    for name, err in errs.items():
-        if name == "topk_weights" and few_slots:
-            scaled = dp_error_by_term_scale(grads[1], ref[1], p)
-            print(f"  d topk_weights, error / term scale: max {scaled:.2e}")
-            assert scaled < 1e-2
-        else:
-            assert err < 1e-2, f"d{name}: rel err {err:.3e}"
+def _check_grads(label, grads, ref, p):
+    """Relative Frobenius errors under 1e-2; d topk_weights by moe_testing.dp_error_and_bound
+    (its bound grows with the bf16 noise of problems with few slots)."""
+    errs = {name: (rel_err(g, r), 1e-2) for name, g, r in zip(GRADS, grads, ref)}
+    errs["topk_weights"] = dp_error_and_bound(grads[1], ref[1], p)
+    print(f"{label}: " + ", ".join(f"d{n} {e:.2e} (< {b:.1e})" for n, (e, b) in errs.items()))
+    for name, (err, bound) in errs.items():
+        assert err < bound, f"d{name}: error {err:.3e}, bound {bound:.1e}"
 
 
 
@@ -98,7 +94,7 @@ def test_fused_autograd_presets(preset, T, mode):
     ref_y = reference.forward(*_args(p))
     ref = reference.backward(p["dy"], *_args(p))
     assert rel_err(y, ref_y) < 1e-2
-    _check_grads(f"{preset} T={T} {mode}", [grads[n] for n in GRADS], ref)
+    _check_grads(f"{preset} T={T} {mode}", [grads[n] for n in GRADS], ref, p)
     assert grads["topk_weights"].dtype == p["topk_weights"].dtype
 
 
@@ -119,7 +115,7 @@ def test_fused_bf16_router_weights_and_partial_grads():
     _, grads = run_with_grads(megamoe.moe, p, backend="fused")
     assert grads["topk_weights"].dtype == torch.bfloat16
     ref = reference.backward(p["dy"], *_args(p))
-    _check_grads("bf16 router weights", [grads[n] for n in GRADS], ref)
+    _check_grads("bf16 router weights", [grads[n] for n in GRADS], ref, p)
     # Only x requires grad: the weight gradients are not computed.
     x = p["x"].clone().requires_grad_(True)
     megamoe.moe(x, *_args(p)[1:], backend="fused").backward(p["dy"])

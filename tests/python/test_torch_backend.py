@@ -1,11 +1,14 @@
 """The TorchTitan-style baseline against the reference math, on the CPU (float32)."""
 
+import math
+
 import pytest
 import torch
 
 import megamoe
 from megamoe import reference
-from moe_testing import make_problem, rel_err, run_with_grads
+from moe_testing import (DP_NOISE, chi2_upper_quantile, dp_error_and_bound, dp_noise_bound,
+                         dp_term_norms, make_problem, rel_err, run_with_grads)
 
 NAMES = ("x", "topk_weights", "w_gate_up", "w_down")
 
@@ -53,3 +56,42 @@ def test_compiles_fullgraph(backend):
     assert rel_err(y, eager_y) < tol
     for name in NAMES:
         assert rel_err(grads[name], eager_grads[name]) < tol, name
+
+
+def test_chi2_quantile_and_dp_noise_bound():
+    # Two degrees of freedom have the closed form P(chi^2_2 > x) = exp(-x / 2).
+    assert chi2_upper_quantile(2, 1e-6) == pytest.approx(-2 * math.log(1e-6), rel=1e-9)
+    assert chi2_upper_quantile(1, 1e-6) == pytest.approx(23.928, rel=1e-4)
+    bounds = [dp_noise_bound(n) for n in range(1, 64)]
+    assert bounds[0] == pytest.approx(DP_NOISE * 23.928 ** 0.5, rel=1e-4)
+    assert all(a >= b for a, b in zip(bounds, bounds[1:])) and bounds[-1] == 1e-2
+
+
+@pytest.mark.parametrize("T,k", [(1, 1), (7, 2)])
+def test_few_slot_dp_check_on_bf16_torch_backend(T, k):
+    """The GPU tests' few-slot d topk_weights check (test_gpu's awkward shapes) on the torch
+    baseline's bf16 math on the CPU, which rounds where CUDA does (fp32-accumulated GEMMs
+    rounded once to bf16, each elementwise op rounded once). Every draw passes; the same
+    gradient with one slot off by a tenth of its term scale (a bug's size) fails."""
+    draws = 16
+    for s in range(draws):
+        p = make_problem(T, 256, 128, 64, k, dtype=torch.bfloat16, seed=7919 * s + T,
+                         invalid_fraction=0.1)
+        valid = (p["topk_ids"] >= 0).nonzero().tolist()
+        if not valid:
+            continue
+        args = [p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")]
+        _, grads = run_with_grads(megamoe.moe, p, backend="torch")
+        ref = reference.backward(p["dy"], *args)[1]
+        dp = grads["topk_weights"]
+        err, bound = dp_error_and_bound(dp, ref, p)
+        assert err < bound, (s, err, bound)
+        t, j = valid[s % len(valid)]
+        wrong = dp.clone()
+        wrong[t, j] += 0.1 * dp_term_norms(p)[t, j].item()
+        err, bound = dp_error_and_bound(wrong, ref, p)
+        assert err > bound, (s, err, bound)
+        wrong = dp.clone()
+        wrong[p["topk_ids"] < 0] = 1e-6  # a -1 slot must get exactly 0
+        if bool((p["topk_ids"] < 0).any()):
+            assert dp_error_and_bound(wrong, ref, p)[0] == math.inf
