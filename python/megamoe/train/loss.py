@@ -1,0 +1,81 @@
+"""LM head + cross-entropy in chunks of tokens, without ever holding [tokens, vocab] logits.
+
+For a 16384-token sequence and a 151936-word vocabulary the fp32 logits alone are 10 GB,
+and autograd would keep them (and their softmax) for the backward. Here the forward walks
+the tokens in chunks: per chunk it computes the logits (in the hidden states' dtype, as the
+LM head's matmul would), their log-sum-exp and the loss in fp32, and at once the gradient of
+the summed loss w.r.t. the chunk's hidden states and its share of the head's weight
+gradient. Only those gradients ([tokens, hidden] and [vocab, hidden]) are kept for the
+backward, which just scales them by the incoming gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                chunk_size: int, ignore_index: int):
+        needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        # Each chunk's weight-gradient GEMM rounds to the weight's dtype, as the plain
+        # backward's single GEMM would; the sum over chunks is kept in fp32 (fp64 for fp64).
+        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) \
+            if needs_weight else None
+        total = torch.zeros((), dtype=accumulate, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start:start + chunk_size]
+            y = labels[start:start + chunk_size]
+            logits = (h @ weight.t()).to(accumulate)
+            valid = y != ignore_index
+            target = torch.where(valid, y, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            total += torch.where(valid, lse - picked, 0).sum()
+            if not (needs_hidden or needs_weight):
+                continue
+            # d(sum of losses)/d logits = softmax - one_hot(label), zero for ignored rows;
+            # computed in place over the chunk's fp32 logits.
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits[torch.arange(len(y), device=y.device), target] -= 1
+            grad_logits.mul_(valid[:, None])
+            grad_logits = grad_logits.to(hidden.dtype)
+            if needs_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:start + chunk_size])
+            if needs_weight:
+                grad_weight += grad_logits.t() @ h
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # Scaled in fp32: rounding the incoming factor to bf16 first would bias every
+        # gradient by up to 2^-8 of its size.
+        dh = (grad_hidden.to(grad_total.dtype) * grad_total).to(grad_hidden.dtype) \
+            if grad_hidden is not None else None
+        dw = (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
+        return dh, dw, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                                 labels: torch.Tensor, chunk_size: int = 2048,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """sum over tokens of cross_entropy(hidden @ weight.T, labels), ignore_index rows
+    skipped, as a scalar (fp32; fp64 for fp64 inputs). hidden [N, H], weight [V, H],
+    labels [N] int64. Divide by the number of counted tokens for the mean."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"chunked_linear_cross_entropy: expected hidden [N, H] and weight "
+                         f"[V, H], got {list(hidden.shape)} and {list(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"chunked_linear_cross_entropy: expected labels [N={hidden.shape[0]}], "
+                         f"got {list(labels.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunked_linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)

@@ -1,0 +1,332 @@
+"""The model: a transformers MoE causal LM (no model code of our own), its experts dispatched
+to megamoe or to transformers' own grouped_mm, the experts cut to this rank's share under
+expert parallelism, activation checkpointing, torch.compile, and FSDP2.
+
+FSDP2 units (TorchTitan's layout): every router (fp32 params, fp32 inputs, so its logits,
+softmax and top-k weights are fp32), under EP every experts module (sharded over the dp mesh
+dimension only, since the ep dimension already splits them), every decoder layer, the token
+embedding, and the root (`CausalLMTrainer`: final norm + LM head). Dense parameters are
+sharded over every rank. Mixed precision: fp32 master weights, bf16 compute
+(param_dtype), fp32 gradient reduction (reduce_dtype).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+
+import torch
+from torch import nn
+
+from .config import Config, ConfigError
+from .loss import chunked_linear_cross_entropy
+from .presets import make_config
+
+
+# ---------------------------------------------------------------- transformers config
+
+
+def load_hf_config(config: Config):
+    """The transformers config of [model], overrides applied. ConfigError names the key."""
+    model = config.model
+    if model.preset:
+        hf_config = make_config(model.preset)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(model.path)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model.path: no transformers config could be read from "
+                              f"{model.path!r}: {error}") from None
+    for key, value in model.config.items():
+        if not hasattr(hf_config, key):
+            known = [k for k in hf_config.to_dict() if not k.startswith("_")]
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"model.config.{key}: {type(hf_config).__name__} has no attribute "
+                              f"{key!r}{hint}")
+        setattr(hf_config, key, value)
+    if model.num_layers is not None:
+        hf_config.num_hidden_layers = model.num_layers
+        if getattr(hf_config, "layer_types", None):
+            hf_config.layer_types = hf_config.layer_types[:model.num_layers]
+    return hf_config
+
+
+def moe_geometry(hf_config) -> dict:
+    """Experts, top-k, hidden and expert intermediate sizes of a transformers MoE config."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    topk = getattr(hf_config, "num_experts_per_tok", None)
+    if not experts or not topk:
+        raise ConfigError(f"model: {type(hf_config).__name__} is not a Mixture-of-Experts config "
+                          "(no num_experts / num_experts_per_tok)")
+    intermediate = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    return {"num_experts": int(experts), "topk": int(topk), "hidden": int(hf_config.hidden_size),
+            "intermediate": int(intermediate)}
+
+
+def check_runtime(config: Config, hf_config, world_size: int, device: torch.device,
+                  local_world_size: int) -> tuple[int, int]:
+    """Checks that need the world size, the device and the model config; returns (dp, ep)."""
+    geometry = moe_geometry(hf_config)
+    ep = config.parallel.ep
+    if world_size % ep:
+        raise ConfigError(f"parallel.ep = {ep} does not divide the world size {world_size}")
+    dp = world_size // ep if config.parallel.dp == -1 else config.parallel.dp
+    if dp * ep != world_size:
+        raise ConfigError(f"parallel.dp = {config.parallel.dp} x parallel.ep = {ep} must equal "
+                          f"the world size {world_size} (or set parallel.dp = -1)")
+    if geometry["num_experts"] % ep:
+        raise ConfigError(f"parallel.ep = {ep} does not divide the model's "
+                          f"{geometry['num_experts']} experts")
+    if ep > 1 and ep > local_world_size:
+        raise ConfigError(f"parallel.ep = {ep}: an EP group lives inside one node, which has "
+                          f"{local_world_size} processes (LOCAL_WORLD_SIZE)")
+    dispatch = config.model.moe.dispatch
+    if ep > 1 and dispatch.type == "hf":
+        raise ConfigError("parallel.ep > 1 with model.moe.dispatch.type = 'hf': transformers' own "
+                          "experts run no expert parallelism here; use 'mega_moe' or 'torch'")
+    if ep > 1 and device.type != "cuda" and dispatch.type == "mega_moe":
+        raise ConfigError("parallel.ep > 1 with model.moe.dispatch.type = 'mega_moe' needs CUDA "
+                          "GPUs (on CPU it is the reference backend, which runs on one device)")
+    from megamoe import buffer
+
+    if ep > buffer.MAX_RANKS and dispatch.type == "mega_moe":
+        raise ConfigError(f"parallel.ep = {ep}: megamoe's EP groups hold at most "
+                          f"{buffer.MAX_RANKS} ranks")
+    if device.type == "cuda":
+        _check_gpu_dispatch(config, geometry, device)
+    seq_len, limit = config.data.seq_len, getattr(hf_config, "max_position_embeddings", None)
+    if limit and seq_len > limit:
+        raise ConfigError(f"data.seq_len = {seq_len} is longer than the model's "
+                          f"max_position_embeddings = {limit} (raise it with "
+                          f"model.config = {{max_position_embeddings = {seq_len}}})")
+    return dp, ep
+
+
+def _check_gpu_dispatch(config: Config, geometry: dict, device: torch.device) -> None:
+    from megamoe import _validate
+
+    kind = config.model.moe.dispatch.type
+    H, I = geometry["hidden"], geometry["intermediate"]
+    if kind in ("mega_moe", "torch") and config.train.dtype != "bf16":
+        raise ConfigError(f"model.moe.dispatch.type = {kind!r} computes in bf16 on GPU: set "
+                          "train.dtype = 'bf16'")
+    if kind == "torch" and (H % _validate.TORCH_DIM_MULTIPLE or I % _validate.TORCH_DIM_MULTIPLE):
+        raise ConfigError(f"model.moe.dispatch.type = 'torch' needs hidden and expert "
+                          f"intermediate sizes that are multiples of "
+                          f"{_validate.TORCH_DIM_MULTIPLE}, the model has H={H}, I={I}")
+    if kind != "mega_moe":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    problems = []
+    if (major, minor) != (9, 0):
+        problems.append(f"a Hopper GPU (sm_90), this one is sm_{major}{minor}")
+    if H % _validate.FUSED_DIM_MULTIPLE or I % _validate.FUSED_DIM_MULTIPLE:
+        problems.append(f"H and I multiples of {_validate.FUSED_DIM_MULTIPLE}, the model has "
+                        f"H={H}, I={I}")
+    if geometry["topk"] > _validate.FUSED_MAX_TOPK:
+        problems.append(f"top-k <= {_validate.FUSED_MAX_TOPK}, the model has {geometry['topk']}")
+    if geometry["num_experts"] > _validate.FUSED_MAX_EXPERTS:
+        problems.append(f"at most {_validate.FUSED_MAX_EXPERTS} experts, the model has "
+                        f"{geometry['num_experts']}")
+    if problems:
+        raise ConfigError("model.moe.dispatch.type = 'mega_moe' runs megamoe's fused kernels, "
+                          f"which need {'; '.join(problems)}; use 'torch' or 'hf'")
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_model(config: Config, hf_config, device: torch.device) -> nn.Module:
+    """The transformers model, fp32, on `device`, in training mode."""
+    from transformers import AutoModelForCausalLM
+
+    attn = config.model.attn_implementation
+    if config.model.init == "pretrained":
+        model = AutoModelForCausalLM.from_pretrained(config.model.path, config=hf_config,
+                                                     dtype=torch.float32, attn_implementation=attn)
+        model.to(device)
+    else:
+        torch.manual_seed(config.train.seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                     attn_implementation=attn)
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ConfigError("model: tied input and output embeddings are not supported by the "
+                          "trainer's FSDP layout; set model.config = {tie_word_embeddings = false}")
+    model.train()
+    return model
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    base = getattr(model, model.base_model_prefix)
+    return base.layers
+
+
+def moe_blocks(model) -> list[nn.Module]:
+    """Modules holding a router (`gate`) and experts (`experts` with 3-D gate_up_proj /
+    down_proj), in layer order."""
+    blocks = [m for m in model.modules()
+              if isinstance(getattr(m, "experts", None), nn.Module)
+              and isinstance(getattr(m, "gate", None), nn.Module)
+              and isinstance(getattr(m.experts, "gate_up_proj", None), torch.Tensor)]
+    if not blocks:
+        raise ConfigError(f"model: {type(model).__name__} has no MoE blocks with experts in the "
+                          "transformers layout (experts.gate_up_proj / experts.down_proj)")
+    return blocks
+
+
+def shard_experts(model, ep_rank: int, ep_size: int, num_experts: int) -> None:
+    """Keeps this EP rank's experts: [ep_rank * E/ep, (ep_rank + 1) * E/ep) of every experts
+    parameter (the integration receives global top-k ids)."""
+    if ep_size == 1:
+        return
+    local = num_experts // ep_size
+    for block in moe_blocks(model):
+        for name, param in list(block.experts.named_parameters(recurse=False)):
+            if param.shape[0] != num_experts:
+                raise ConfigError(f"model: experts parameter {name} has {param.shape[0]} rows, "
+                                  f"not one per expert ({num_experts}); cannot split it for EP")
+            piece = param.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
+            setattr(block.experts, name, nn.Parameter(piece, requires_grad=param.requires_grad))
+
+
+def apply_dispatch(model, config: Config, device: torch.device, group=None, buffer=None) -> str:
+    """Routes the experts to the configured implementation; returns a description."""
+    dispatch = config.model.moe.dispatch
+    if dispatch.type == "hf":
+        model.set_experts_implementation("grouped_mm")
+        return "transformers grouped_mm"
+    from megamoe.integrations import transformers as mt
+
+    backend = "torch" if dispatch.type == "torch" else ("fused" if device.type == "cuda" else "reference")
+    mt.configure(model, backend=backend, precision=dispatch.precision,
+                 backward_mode=dispatch.backward_mode, group=group, buffer=buffer,
+                 on_unsupported="error")
+    model.set_experts_implementation("megamoe")
+    mode = f", backward_mode={dispatch.backward_mode}" if backend == "fused" else ""
+    return f"megamoe backend={backend}, precision={dispatch.precision}{mode}"
+
+
+def apply_activation_checkpointing(model) -> None:
+    # Non-reentrant: the router logits recorded inside each layer (for the load-balancing
+    # loss) keep their gradient path, and nested FSDP units work inside the region.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_compile(model) -> None:
+    # Only each layer's forward is compiled: the module hooks (FSDP2's, activation
+    # checkpointing's __call__) stay in eager mode around it.
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward)
+
+
+def apply_fsdp(trainer_module: nn.Module, model, world_mesh, expert_mesh, param_dtype,
+               world_size: int) -> None:
+    """FSDP2 units as described in the module docstring. `expert_mesh` (the dp dimension)
+    is None without expert parallelism: the experts then belong to their layer's unit."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    layers = decoder_layers(model)
+    blocks = {id(b): b for b in moe_blocks(model)}
+    for index, layer in enumerate(layers):
+        for block in (m for m in layer.modules() if id(m) in blocks):
+            fully_shard(block.gate, mesh=world_mesh, mp_policy=full)
+            if expert_mesh is not None:
+                fully_shard(block.experts, mesh=expert_mesh, mp_policy=mixed)
+                # Each rank's expert gradients already sum the tokens of its whole EP group;
+                # dividing by the world size (not the dp size) makes them the mean over every
+                # rank's loss, like the dense gradients.
+                block.experts.set_gradient_divide_factor(float(world_size))
+        # The last layer is needed again as soon as the backward starts.
+        fully_shard(layer, mesh=world_mesh, mp_policy=mixed,
+                    reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model.get_input_embeddings(), mesh=world_mesh, mp_policy=mixed)
+    fully_shard(trainer_module, mesh=world_mesh, mp_policy=mixed, reshard_after_forward=False)
+
+
+# ---------------------------------------------------------------- the training module
+
+
+class CausalLMTrainer(nn.Module):
+    """Root module of a step: the base model's hidden states, then the chunked LM head +
+    cross-entropy and transformers' load-balancing loss. Returns (sum of token losses,
+    auxiliary loss) of a micro-batch."""
+
+    def __init__(self, model, loss_chunk_size: int, aux_loss_coef: float):
+        super().__init__()
+        self.model = model
+        self.loss_chunk_size = loss_chunk_size
+        self.aux_loss_coef = aux_loss_coef
+        geometry = moe_geometry(model.config)
+        self.num_experts, self.topk = geometry["num_experts"], geometry["topk"]
+        self._balancing_loss = _load_balancing_loss_func(model)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        base = getattr(self.model, self.model.base_model_prefix)
+        want_router = self.aux_loss_coef > 0
+        out = base(input_ids=input_ids, use_cache=False, output_router_logits=want_router)
+        hidden = out.last_hidden_state
+        weight = self.model.get_output_embeddings().weight
+        ce_sum = chunked_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                              labels.reshape(-1), self.loss_chunk_size)
+        if want_router:
+            aux = self._balancing_loss(out.router_logits, self.num_experts, self.topk)
+        else:
+            aux = torch.zeros((), device=hidden.device)
+        return ce_sum, aux
+
+
+def _load_balancing_loss_func(model):
+    # transformers defines load_balancing_loss_func in each MoE family's modeling module
+    # (the same Switch-Transformer loss); take the model's own.
+    module = sys.modules.get(type(model).__module__)
+    func = getattr(module, "load_balancing_loss_func", None)
+    if func is None:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func as func
+    return func
+
+
+def aux_loss_coefficient(config: Config, hf_config) -> float:
+    if config.model.moe.aux_loss_coef is not None:
+        return config.model.moe.aux_loss_coef
+    return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def count_parameters(model) -> dict:
+    """Parameter counts from the config: the total, and the matmul parameters one token
+    passes through (attention projections, router, its k experts, the LM head: the N of the
+    6N FLOP model; the embedding lookup is no matmul)."""
+    hf = model.config
+    geometry = moe_geometry(hf)
+    H, I, E, k = geometry["hidden"], geometry["intermediate"], geometry["num_experts"], geometry["topk"]
+    heads, kv = hf.num_attention_heads, hf.num_key_value_heads
+    head_dim = getattr(hf, "head_dim", None) or H // heads
+    attention = H * head_dim * (2 * heads + 2 * kv)
+    layers = decoder_layers(model)
+    moe_layers = sum(1 for layer in layers if any(isinstance(getattr(m, "experts", None), nn.Module)
+                                                   for m in layer.modules()))
+    dense_layers = len(layers) - moe_layers
+    dense_mlp = 3 * H * hf.intermediate_size
+    vocab = hf.vocab_size
+    per_moe_total = attention + E * H + E * 3 * H * I
+    per_moe_active = attention + E * H + k * 3 * H * I
+    per_dense = attention + dense_mlp
+    embeddings = 2 * vocab * H
+    return {
+        "total": moe_layers * per_moe_total + dense_layers * per_dense + embeddings,
+        "active_matmul": moe_layers * per_moe_active + dense_layers * per_dense + vocab * H,
+        "embeddings_and_head": embeddings,
+        "per_moe_layer": per_moe_total,
+        "attention_heads_x_dim": heads * head_dim,
+        "num_layers": len(layers),
+    }
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

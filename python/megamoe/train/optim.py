@@ -1,0 +1,88 @@
+"""AdamW, the learning-rate schedule (linear warm-up, then cosine / linear / no decay to
+min_lr_ratio * lr) and gradient clipping by the global norm over every rank."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from .config import OptimConfig
+
+
+def build_optimizer(params, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    implementation = optim.implementation
+    if implementation == "auto":
+        implementation = "fused" if device.type == "cuda" else "foreach"
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
+             "for_loop": {"foreach": False}}[implementation]
+    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                             weight_decay=optim.weight_decay, **flags)
+
+
+class WarmupDecay:
+    """LambdaLR factor of step s (0-based: the factor used by optimizer step s + 1):
+    (s + 1) / warmup during warm-up, then the decay from 1 to min_ratio over the remaining
+    steps of `total`, and min_ratio after. A plain callable with no state, so the
+    scheduler's state_dict is its step count and base lrs."""
+
+    def __init__(self, warmup: int, total: int, decay: str, min_ratio: float):
+        self.warmup, self.total, self.decay, self.min_ratio = warmup, total, decay, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay == "constant":
+            return 1.0
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup + 1) / span)
+        if self.decay == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_ratio + (1.0 - self.min_ratio) * shape
+
+
+def build_scheduler(optimizer, optim: OptimConfig, train_steps: int):
+    total = optim.decay_steps or train_steps
+    factor = WarmupDecay(optim.warmup_steps, total, optim.decay, optim.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _local_and_share(grad: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The part of `grad` this rank holds, and the fraction of the global sum it counts for:
+    shards partition a tensor over their mesh dimension, replicas repeat it."""
+    if not isinstance(grad, DTensor):
+        return grad, 1.0 / (dist.get_world_size() if dist.is_initialized() else 1)
+    share = 1.0
+    for size, placement in zip(grad.device_mesh.mesh.shape, grad.placements):
+        if isinstance(placement, Replicate):
+            share /= size
+    return grad.to_local(), share
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (before clipping), and clips them to max_norm when it
+    is > 0. Dense gradients are sharded over every rank and experts gradients over (dp, ep),
+    so each rank adds its local shards' squares and one all-reduce over the world gives the
+    total; this also works where the gradients live on different meshes (the dense and the
+    experts ones under EP), which torch.nn.utils.clip_grad_norm_ cannot combine."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    locals_, shares = zip(*(_local_and_share(g) for g in grads))
+    device = locals_[0].device
+    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in locals_])
+    squares = torch.stack(norms).square()
+    weights = torch.tensor(shares, device=device, dtype=squares.dtype)
+    total = (squares * weights).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(list(locals_), scale)
+    return norm
