@@ -3,6 +3,7 @@ min_lr_ratio * lr) and gradient clipping by the global norm over every rank."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,32 +23,26 @@ def build_optimizer(params, optim: OptimConfig, device: torch.device) -> torch.o
                              weight_decay=optim.weight_decay, **flags)
 
 
-class WarmupDecay:
+def warmup_decay(step: int, *, warmup: int, total: int, decay: str, min_ratio: float) -> float:
     """LambdaLR factor of step s (0-based: the factor used by optimizer step s + 1):
     (s + 1) / warmup during warm-up, then the decay from 1 to min_ratio over the remaining
-    steps of `total`, and min_ratio after. A plain callable with no state, so the
-    scheduler's state_dict is its step count and base lrs."""
-
-    def __init__(self, warmup: int, total: int, decay: str, min_ratio: float):
-        self.warmup, self.total, self.decay, self.min_ratio = warmup, total, decay, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        if self.decay == "constant":
-            return 1.0
-        span = max(1, self.total - self.warmup)
-        progress = min(1.0, (step - self.warmup + 1) / span)
-        if self.decay == "linear":
-            shape = 1.0 - progress
-        else:
-            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_ratio + (1.0 - self.min_ratio) * shape
+    steps of `total`, and min_ratio after."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if decay == "constant":
+        return 1.0
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup + 1) / span)
+    shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
 
 
 def build_scheduler(optimizer, optim: OptimConfig, train_steps: int):
-    total = optim.decay_steps or train_steps
-    factor = WarmupDecay(optim.warmup_steps, total, optim.decay, optim.min_lr_ratio)
+    """The schedule's shape comes from the config (a partial: LambdaLR saves no settings of
+    it), its position (the step count) from a checkpoint."""
+    factor = functools.partial(warmup_decay, warmup=optim.warmup_steps,
+                               total=optim.decay_steps or train_steps, decay=optim.decay,
+                               min_ratio=optim.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
