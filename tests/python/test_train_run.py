@@ -9,6 +9,7 @@ import torch
 from megamoe.train import config as config_mod
 from megamoe.train import distributed
 from megamoe.train import model as model_mod
+from megamoe.train import trainer
 from megamoe.train.trainer import main, run
 
 
@@ -18,7 +19,8 @@ def _steps(log_dir):
 
 def test_tiny_default_trains(tmp_path):
     log_dir = tmp_path / "log"
-    assert main(["--train.steps", "12", "--log.dir", str(log_dir), "--log.interval", "4"]) == 0
+    assert main(["default-cpu", "--train.steps", "12", "--log.dir", str(log_dir),
+                 "--log.interval", "4"]) == 0
     record = json.loads((log_dir / "run.json").read_text())
     steps, summary = record["steps"], record["summary"]
     losses = [r["loss"] for r in steps]
@@ -94,3 +96,16 @@ def test_check_only_trains_nothing(tmp_path):
     config = config_mod.load("default-cpu", [("log.dir", str(tmp_path / "log"))])
     assert run(config, check_only=True) is None
     assert not (tmp_path / "log").exists()
+
+
+def test_no_config_picks_the_machine_default(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert trainer.default_config_name() == "default-cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert trainer.default_config_name() == "default-gpu"
+    assert config_mod.load("default-gpu").model.moe.dispatch.type == "mega_moe"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert "running the embedded 'default-cpu' config" in captured.err
+    assert json.loads(captured.out)["model"]["preset"] == "tiny"

@@ -94,8 +94,8 @@ class DataConfig:
     bpe_vocab_size: int = option(32768, "vocabulary of the locally trained BPE", minimum=260)
     seq_len: int = option(16384, "tokens per sequence (documents are packed, EOS between "
                           "them)", minimum=2)
-    shuffle: bool = option(True, "shuffle the documents and the sequences (seeded by "
-                           "train.seed and the epoch)")
+    shuffle: bool = option(True, "shuffle the documents before packing, anew each epoch "
+                           "(seeded by train.seed and the epoch)")
     cache_dir: str = option("", "where the trained tokenizer and the tokenized corpus are "
                             "cached; default $MEGAMOE_CACHE_DIR, else ~/.cache/megamoe")
 
@@ -238,6 +238,31 @@ def load(name_or_path: str | None, overrides: list[tuple[str, str]] = (),
     config.source = source
     check_static(config)
     return config
+
+
+def split_overrides(argv: list[str], error) -> tuple[list[str], list[tuple[str, str]]]:
+    """Separates --section.key VALUE / --section.key=VALUE overrides (a dot in an option's
+    name marks one) from the other arguments, before argparse sees them, so that an
+    override's value is never taken for a positional argument. `error(message)` reports a
+    missing value."""
+    overrides, rest = [], []
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        name = item.split("=", 1)[0]
+        if not (item.startswith("--") and "." in name):
+            rest.append(item)
+            i += 1
+        elif "=" in item:
+            overrides.append((name[2:], item.split("=", 1)[1]))
+            i += 1
+        elif i + 1 < len(argv):
+            overrides.append((name[2:], argv[i + 1]))
+            i += 2
+        else:
+            error(f"{item} needs a value")
+            i += 1
+    return rest, overrides
 
 
 def _parse_value(text: str):
@@ -396,12 +421,21 @@ def describe_keys(cls=Config, prefix: str = "") -> list[tuple[str, str, str, str
             rows.extend(describe_keys(hint, f"{prefix}{f.name}."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        type_name = _type_name(hint)
         doc = f.metadata["doc"]
         if f.metadata.get("choices"):
             doc += f" (one of {', '.join(repr(c) for c in f.metadata['choices'])})"
         rows.append((prefix + f.name, type_name, _toml_repr(default), doc))
     return rows
+
+
+def _type_name(hint) -> str:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return f"{_type_name(args[0])} (optional)"
+    if typing.get_origin(hint) is list:
+        return f"list of {typing.get_args(hint)[0].__name__}"
+    return {dict: "table"}.get(hint, hint.__name__)
 
 
 def _toml_repr(value) -> str:

@@ -207,6 +207,8 @@ def apply_dispatch(model, config: Config, device: torch.device, group=None, buff
                  backward_mode=dispatch.backward_mode, group=group, buffer=buffer,
                  on_unsupported="error")
     model.set_experts_implementation("megamoe")
+    if backend == "reference":
+        return "megamoe backend=reference"
     mode = f", backward_mode={dispatch.backward_mode}" if backend == "fused" else ""
     return f"megamoe backend={backend}, precision={dispatch.precision}{mode}"
 

@@ -61,28 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
-    """Splits --section.key VALUE / --section.key=VALUE overrides from the other arguments
-    (a dot in an option's name marks an override) before argparse sees them, so that an
-    override's value is never taken for the positional config."""
-    parser = build_parser()
-    overrides, rest = [], []
-    i = 0
-    while i < len(argv):
-        item = argv[i]
-        name = item.split("=", 1)[0]
-        if not (item.startswith("--") and "." in name):
-            rest.append(item)
-            i += 1
-            continue
-        if "=" in item:
-            overrides.append((name[2:], item.split("=", 1)[1]))
-            i += 1
-        elif i + 1 < len(argv):
-            overrides.append((name[2:], argv[i + 1]))
-            i += 2
-        else:
-            parser.error(f"{item} needs a value")
-    return parser.parse_args(rest), overrides
+    rest, overrides = config_mod.split_overrides(argv, build_parser().error)
+    return build_parser().parse_args(rest), overrides
 
 
 def default_config_name() -> str:

@@ -1,0 +1,67 @@
+"""megamoe-train-bench's rows and record: a real trainer summary made into a row, rows
+merged across invocations, the comparisons against mega_moe, the table and the plot."""
+
+import json
+
+import pytest
+
+from megamoe.train import bench
+from megamoe.train.trainer import main as train_main
+
+
+def _row(backend, losses, step_ms, repeat=1):
+    return {"backend": backend, "precision": "bf16", "repeat": repeat, "status": "ok",
+            "steps_run": len(losses), "step_ms": step_ms, "tokens_per_s_per_gpu": 1e3 / step_ms,
+            "mfu": None, "peak_memory_gib": None, "optimizer_ms": 1.0, "loss": losses,
+            "step_time_s": [step_ms / 1e3] * len(losses), "parts": None,
+            "summary": {"gpu": "test-gpu", "commit": "abc", "config": {"train": {}}}}
+
+
+def test_real_summary_becomes_a_row(tmp_path):
+    summary_path = tmp_path / "summary.json"
+    assert train_main(["default-cpu", "--train.steps", "6", "--data.seq_len", "64",
+                       "--log.dir", str(tmp_path / "log"),
+                       "--log.plot", "false", "--time-parts", "--summary-json",
+                       str(summary_path)]) == 0
+    row = bench.row_from_summary(json.loads(summary_path.read_text()))
+    assert row["status"] == "ok" and row["steps_run"] == 6 and len(row["loss"]) == 6
+    assert row["step_ms"] > 0 and row["optimizer_ms"] > 0
+    for part in ("attention", "router", "experts", "lm_head_loss"):
+        assert 0 < row["parts"][part]["fwd_ms"] < row["parts"][part]["fwd_bwd_ms"] * 2
+    breakdown = row["breakdown"]
+    assert set(breakdown) == {"attention_ms", "router_ms", "experts_ms", "lm_head_loss_ms",
+                              "optimizer_ms", "other_ms"}
+    assert sum(breakdown.values()) == pytest.approx(row["step_ms"])
+
+
+def test_merge_compares_with_mega_moe(tmp_path):
+    rows_dir = tmp_path / "rows"
+    rows_dir.mkdir()
+    base = [3.0 - 0.001 * i for i in range(300)]
+    rows = {"mega_moe-bf16": _row("mega_moe", base, 100.0),
+            "mega_moe-bf16-run2": _row("mega_moe", base[:50] + [9.0] * 250, 101.0, repeat=2),
+            "torch-bf16": _row("torch", [v * 1.005 for v in base], 120.0),
+            "hf-bf16": _row("hf", base[:100], 130.0)}  # too short for the parity window
+    for key, row in rows.items():  # written as separate invocations would
+        (rows_dir / f"{key}.json").write_text(json.dumps(row))
+    record = bench.merge(rows_dir, "test", (200, 300), "megamoe-train-bench --merge")
+    assert [r["backend"] for r in record["rows"]] == ["mega_moe", "mega_moe", "torch", "hf"]
+    assert record["gpu"] == "test-gpu" and record["commit"] == "abc"
+    torch_cmp = record["comparison"]["torch-bf16"]
+    assert torch_cmp["mega_moe_speedup"] == pytest.approx(1.2)
+    assert torch_cmp["loss_rel_diff_vs_mega_moe"] == pytest.approx(0.005)
+    assert "needs both runs to reach step 300" in record["comparison"]["hf-bf16"]["loss_parity"]
+    repeat = record["comparison"]["mega_moe-bf16-run2"]
+    assert repeat["bitwise_identical_steps"] == 50 and repeat["bitwise_identical"] is False
+    table = bench.format_table(record)
+    assert "torch" in table and "+0.50" in table and "NOT identical" in table
+    assert bench.plot(record, tmp_path / "test.png").stat().st_size > 0
+
+
+def test_bench_checks_every_config_before_running(tmp_path, capsys):
+    code = bench.main(["default-cpu", "--backends", "mega_moe,torch", "--out-dir", str(tmp_path),
+                       "--train.stepz", "3"])
+    assert code == 2
+    assert "train.stepz: unknown key" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert bench.main(["--merge", "--name", "nothing", "--out-dir", str(tmp_path)]) == 1
