@@ -1,5 +1,7 @@
 """Bad trainer configs fail at start-up with a message that names the key."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -148,3 +150,17 @@ def test_every_key_is_documented():
     keys = {key for key, *_ in rows}
     assert {"model.moe.dispatch.type", "train.steps", "parallel.ep", "checkpoint.resume"} <= keys
     assert all(doc for *_, doc in rows)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    table = docs.split("<!-- keys:begin -->\n", 1)[1].split("\n<!-- keys:end -->", 1)[0]
+    assert table == config_mod.markdown_table(), "docs/training.md's key table is out of date"
+
+
+def test_data_errors_are_config_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": 1}\n')
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    for path, message in ((bad, "bad.jsonl:1: expected an object with a string field 'text'"),
+                          (short, "data.seq_len: the corpus has 10 tokens")):
+        assert main(["default-cpu", "--check", "--data.paths", f'["{path}"]']) == 2
+        assert message in capsys.readouterr().err

@@ -448,3 +448,12 @@ def _toml_repr(value) -> str:
     if isinstance(value, dict):
         return "{}" if not value else str(value)
     return repr(value)
+
+
+def markdown_table() -> str:
+    """The key reference of docs/training.md (a test keeps the two equal; regenerate with
+    python -c 'from megamoe.train.config import markdown_table; print(markdown_table())')."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, type_name, default, doc in describe_keys():
+        lines.append(f"| `{key}` | {type_name} | `{default}` | {doc} |")
+    return "\n".join(lines)

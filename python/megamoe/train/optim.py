@@ -69,11 +69,13 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     locals_, shares = zip(*(_local_and_share(g) for g in grads))
-    device = locals_[0].device
     norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in locals_])
-    squares = torch.stack(norms).square()
-    weights = torch.tensor(shares, device=device, dtype=squares.dtype)
-    total = (squares * weights).sum()
+    # Grouped by share, so the weights stay Python numbers (a tensor of them would be a
+    # host-to-device copy that waits for the backward).
+    by_share: dict[float, list[torch.Tensor]] = {}
+    for norm_, share in zip(norms, shares):
+        by_share.setdefault(share, []).append(norm_)
+    total = sum(torch.stack(group).square().sum() * share for share, group in by_share.items())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     norm = total.sqrt()

@@ -188,12 +188,15 @@ def _run(config: Config, info: distributed.Dist, check_only: bool, time_parts: b
     dp, ep = model_mod.check_runtime(config, hf_config, info.world_size, info.device,
                                      info.local_world_size)
     state = Run(config=config, dist=info, hf_config=hf_config, dp=dp, ep=ep)
-    state.corpus = _load_corpus(config, info, say)
+    try:
+        state.corpus = _load_corpus(config, info, say)
+        sequences = data_mod.PackedSequences(state.corpus, config.data.seq_len,
+                                             config.train.seed, config.data.shuffle)
+    except ValueError as error:  # an unreadable record, a corpus shorter than a sequence
+        raise ConfigError(str(error) if str(error).startswith("data") else f"data: {error}") from None
     if state.corpus.vocab_size > hf_config.vocab_size:
         raise ConfigError(f"data.tokenizer: its vocabulary ({state.corpus.vocab_size}) is larger "
                           f"than the model's vocab_size ({hf_config.vocab_size})")
-    sequences = data_mod.PackedSequences(state.corpus, config.data.seq_len, config.train.seed,
-                                         config.data.shuffle)
     if check_only:
         say(f"config OK: world size {info.world_size} (dp {dp} x ep {ep}), "
             f"{sequences.sequences_per_epoch} sequences of {config.data.seq_len} tokens per epoch")
@@ -361,7 +364,8 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             setup.optimizer.zero_grad(set_to_none=True)
             opt_end = clock.mark()
             sums = distributed.all_reduce_sum(torch.stack([ce_sum, aux_sum]))
-            ce_total, aux_total, norm = (*sums.tolist(), float(grad_norm))  # syncs
+            # The step's one host sync (the grad norm is already the same on every rank).
+            ce_total, aux_total, norm = torch.cat([sums, grad_norm.reshape(1).to(sums)]).tolist()
             step_time = time.perf_counter() - t0
             record = {
                 "step": step,
