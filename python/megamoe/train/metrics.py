@@ -39,17 +39,25 @@ def peak_tflops(gpu_name: str | None, override: float) -> float | None:
     return None
 
 
-def format_line(record: dict, total_steps: int) -> str:
+def format_line(record: dict, total_steps: int, per: str = "GPU") -> str:
     parts = [f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
              f"loss {record['loss']:.4f}", f"aux {record['aux_loss']:.4f}",
              f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}",
              f"{record['step_time_s'] * 1e3:.0f} ms",
-             f"{_thousands(record['tokens_per_s_per_gpu'])} tok/s/GPU"]
+             f"{_thousands(record['tokens_per_s_per_gpu'])} tok/s/{per}"]
     if record.get("mfu") is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     if record.get("peak_memory_gib") is not None:
         parts.append(f"mem {record['peak_memory_gib']:.1f} GiB")
     return " | ".join(parts)
+
+
+def count(value: float) -> str:
+    """12.3M, 7.48B: parameter counts for the log."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.0f}"
 
 
 def _thousands(value: float) -> str:

@@ -203,9 +203,10 @@ def apply_dispatch(model, config: Config, device: torch.device, group=None, buff
     from megamoe.integrations import transformers as mt
 
     backend = "torch" if dispatch.type == "torch" else ("fused" if device.type == "cuda" else "reference")
-    mt.configure(model, backend=backend, precision=dispatch.precision,
-                 backward_mode=dispatch.backward_mode, group=group, buffer=buffer,
-                 on_unsupported="error")
+    # backward_mode is the fused backend's choice; the others get the default.
+    mode = dispatch.backward_mode if backend == "fused" else "recompute"
+    mt.configure(model, backend=backend, precision=dispatch.precision, backward_mode=mode,
+                 group=group, buffer=buffer, on_unsupported="error")
     model.set_experts_implementation("megamoe")
     if backend == "reference":
         return "megamoe backend=reference"

@@ -340,8 +340,9 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
                                  tokens_per_rank)
     say(f"training steps {setup.start_step + 1}..{config.train.steps}: "
         f"{tokens_per_rank * info.world_size:,} tokens per step, "
-        f"{setup.counts['total'] / 1e9:.2f}B parameters "
-        f"({setup.counts['active_matmul'] / 1e9:.2f}B active matmul parameters per token)")
+        f"{metrics.count(setup.counts['total'])} parameters "
+        f"({metrics.count(setup.counts['active_matmul'])} active matmul parameters per token, "
+        f"{metrics.count(flops_token)} FLOPs per token)")
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     jsonl = (log_dir / "steps.jsonl").open("a") if info.is_main else None
@@ -386,7 +387,8 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
                 jsonl.write(json.dumps(record) + "\n")
                 jsonl.flush()
                 if step % config.log.interval == 0 or step == config.train.steps:
-                    print(metrics.format_line(record, config.train.steps), flush=True)
+                    print(metrics.format_line(record, config.train.steps,
+                                              "GPU" if cuda else "rank"), flush=True)
             if not all(map(_finite, (record["loss"], record["aux_loss"], norm))):
                 raise FloatingPointError(f"step {step}: loss {record['loss']}, aux "
                                          f"{record['aux_loss']}, grad norm {norm} is not finite")
