@@ -74,8 +74,9 @@ class Checkpointer:
             self._prune()
         return path
 
-    def load(self, path: Path) -> int:
-        """Restores everything from `path`; returns the step it was saved at."""
+    def load(self, path: Path) -> tuple[int, bool]:
+        """Restores everything from `path`; returns the step it was saved at and whether
+        this rank's RNG state was in it."""
         state, model_state, optim_state = self._state(0)
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         rng_key = f"rng_rank{self.rank}"

@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -135,13 +135,14 @@ class Run:
     dp: int
     ep: int
     corpus: data_mod.Corpus | None = None
-    notes: dict = field(default_factory=dict)
 
 
 @contextlib.contextmanager
-def determinism(enabled: bool, device: torch.device):
-    """torch.use_deterministic_algorithms for the run, restored afterwards."""
-    previous = torch.are_deterministic_algorithms_enabled()
+def determinism(enabled: bool):
+    """torch.use_deterministic_algorithms (and cuDNN's flags) for the run, restored
+    afterwards."""
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                torch.backends.cudnn.benchmark)
     if enabled:
         # cuBLAS reads this when it makes its handle, before the first matmul.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -151,7 +152,8 @@ def determinism(enabled: bool, device: torch.device):
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous)
+        torch.use_deterministic_algorithms(previous[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[1:]
 
 
 def pick_device(config: Config) -> str:
@@ -173,7 +175,7 @@ def run(config: Config, *, check_only: bool = False, time_parts: bool = False,
         torch.set_num_threads(config.train.cpu_threads)
     info = distributed.init(device_type)
     try:
-        with determinism(config.train.deterministic, info.device):
+        with determinism(config.train.deterministic):
             return _run(config, info, check_only, time_parts, command)
     finally:
         distributed.shutdown(info)
@@ -225,12 +227,18 @@ def _device_name(device: torch.device) -> str:
 
 def _load_corpus(config: Config, info: distributed.Dist, say) -> data_mod.Corpus:
     # One process per node builds the caches (tokenizer, tokenized corpus); the others wait
-    # and read them.
+    # and read them. A builder that fails still reaches the barrier, so the others do not
+    # hang: they then fail on the same files or on the missing cache.
     builder = info.local_rank == 0
-    corpus = None
+    corpus, failure = None, None
     if builder:
-        corpus = data_mod.build_corpus(config.data, log=say, builder=True)
+        try:
+            corpus = data_mod.build_corpus(config.data, log=say, builder=True)
+        except Exception as error:  # noqa: BLE001 -- re-raised after the barrier
+            failure = error
     ckpt.barrier()
+    if failure is not None:
+        raise failure
     if not builder:
         corpus = data_mod.build_corpus(config.data, log=say, builder=False)
     return corpus
