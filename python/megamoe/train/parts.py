@@ -130,9 +130,6 @@ def time_parts(config: Config, hf_config, device: torch.device, say=print, *,
         lambda: chunked_linear_cross_entropy(flat, head, labels, chunk) / tokens, [flat], [head])
     results["lm_head_loss"] = _pair(fwd, fwd_bwd, device, iterations, warmup)
 
-    del model, layer, block, head
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     say("parts (ms, fwd / fwd+bwd): " + ", ".join(
         f"{k} {v['fwd_ms']:.2f} / {v['fwd_bwd_ms']:.2f}" for k, v in results.items()
         if isinstance(v, dict)))

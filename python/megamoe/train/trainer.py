@@ -71,6 +71,10 @@ def default_config_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Expandable segments keep the caching allocator from fragmenting when a step's
+    # transient buffers (gathered layers, gradients, the LM head's chunks) come and go next
+    # to 100+ GiB of weights and optimizer state; read at CUDA's first allocation.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args, overrides = parse_args(argv)
     if args.list_configs:
         print("\n".join(config_mod.embedded_configs()))
@@ -215,6 +219,8 @@ def _run(config: Config, info: distributed.Dist, check_only: bool, time_parts: b
 
         say("timing the step's parts in isolation (attention, experts, router, LM head + loss)")
         parts = measure_parts(config, hf_config, info.device, say)
+        if info.device.type == "cuda":
+            torch.cuda.empty_cache()  # the one-layer copy's memory goes back before the model
 
     setup = _setup_training(config, state, sequences, say)
     summary = _train_loop(config, state, setup, say, command, parts, started)
@@ -444,6 +450,7 @@ def _summary_base(config: Config, state: Run, setup: Setup, command: str, gpu_na
         "world_size": state.dist.world_size, "dp": state.dp, "ep": state.ep,
         "dispatch": setup.dispatch,
         "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "model": {"type": state.hf_config.model_type, **setup.counts},
         "flops_per_token": flops_token,
         "peak_tflops": peak,
