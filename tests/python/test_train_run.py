@@ -57,7 +57,8 @@ def test_resume_continues_the_same_curve(tmp_path):
     assert summary["resumed_from"].endswith("step-000003")
 
 
-def test_router_runs_in_fp32_under_bf16():
+@pytest.mark.parametrize("experts_unit", [False, True], ids=["experts-in-layer", "experts-own-unit"])
+def test_router_runs_in_fp32_under_bf16(experts_unit):
     config = config_mod.load("default-cpu", [("train.dtype", "bf16"), ("data.seq_len", "32"),
                                              ("train.activation_checkpointing", "false")])
     info = distributed.init("cpu")
@@ -67,7 +68,9 @@ def test_router_runs_in_fp32_under_bf16():
         model = model_mod.build_model(config, hf_config, info.device)
         model_mod.apply_dispatch(model, config, info.device)
         trainer = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
-        model_mod.apply_fsdp(trainer, model, world_mesh, None, torch.bfloat16, 1)
+        # Under EP the experts are their own FSDP unit (over the dp mesh; here one rank).
+        expert_mesh = world_mesh if experts_unit else None
+        model_mod.apply_fsdp(trainer, model, world_mesh, expert_mesh, torch.bfloat16, 1)
         seen = {}
 
         def experts_inputs(module, args):

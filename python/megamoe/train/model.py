@@ -235,13 +235,17 @@ def apply_fsdp(trainer_module: nn.Module, model, world_mesh, expert_mesh, param_
 
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    # The experts' inputs include the router's fp32 top-k weights: their unit must not cast
+    # its inputs to param_dtype.
+    experts_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                          cast_forward_inputs=False)
     layers = decoder_layers(model)
     blocks = {id(b): b for b in moe_blocks(model)}
     for index, layer in enumerate(layers):
         for block in (m for m in layer.modules() if id(m) in blocks):
             fully_shard(block.gate, mesh=world_mesh, mp_policy=full)
             if expert_mesh is not None:
-                fully_shard(block.experts, mesh=expert_mesh, mp_policy=mixed)
+                fully_shard(block.experts, mesh=expert_mesh, mp_policy=experts_policy)
                 # Each rank's expert gradients already sum the tokens of its whole EP group;
                 # dividing by the world size (not the dp size) makes them the mean over every
                 # rank's loss, like the dense gradients.
