@@ -112,3 +112,20 @@ def test_no_config_picks_the_machine_default(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "running the embedded 'default-cpu' config" in captured.err
     assert json.loads(captured.out)["model"]["preset"] == "tiny"
+
+
+def test_pretrained_weights_from_a_local_directory(tmp_path):
+    # A model saved with save_pretrained and trained from model.path with init =
+    # "pretrained" starts from those weights: here the preset's own seed-0 weights, so
+    # the first loss equals a preset run's.
+    config = config_mod.load("default-cpu")
+    model = model_mod.build_model(config, model_mod.load_hf_config(config), torch.device("cpu"))
+    model.save_pretrained(tmp_path / "tiny-model")
+    common = ["--train.steps", "2", "--log.plot", "false", "--train.seed", "0"]
+    assert main(["default-cpu", *common, "--log.dir", str(tmp_path / "preset")]) == 0
+    assert main(["default-cpu", *common, "--log.dir", str(tmp_path / "loaded"),
+                 "--model.preset", '""', "--model.path", str(tmp_path / "tiny-model"),
+                 "--model.init", "pretrained"]) == 0
+    preset, loaded = _steps(tmp_path / "preset"), _steps(tmp_path / "loaded")
+    assert loaded[0]["loss"] == preset[0]["loss"]
+    assert json.loads((tmp_path / "loaded" / "run.json").read_text())["summary"]["config"]["model"]["init"] == "pretrained"
