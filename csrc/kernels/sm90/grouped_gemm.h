@@ -1,10 +1,13 @@
-// Host launcher of the sm_90a grouped GEMM (grouped_gemm.cuh).
+// The grouped GEMMs' first host API, kept while its callers move to gemm.h: each function
+// forwards to the gemm.h one named beside it, with the same results and errors.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "kernels/sm90/gemm.h"
 
 namespace megamoe::sm90 {
 
@@ -24,8 +27,8 @@ struct GroupedGemmArgs {
   __nv_bfloat16* c;                // [c_rows, ldc]
   int64_t ldc;
   int64_t n;                       // output columns (N-major B only)
-  // The backward's padded row layout (see GroupedGemmParams): a materialised A, and the
-  // outputs, at tile_offsets[e] * 128 + i.
+  // The padded row layout (gemm.h): a materialised A, and the outputs, at
+  // tile_offsets[e] * 128 + i.
   bool a_padded = false, c_padded = false;
   int64_t c_rows = 0;              // rows of C allocated; 0: a_rows
   // grouped_gemm_swiglu only, optional: also write h = [gate | up] ([rows, 2I], unpadded
@@ -33,30 +36,18 @@ struct GroupedGemmArgs {
   __nv_bfloat16* h_out = nullptr;
 };
 
-// Shared-memory descriptor strides of an N-major B tile (bytes); the defaults describe the
-// layout the kernel's TMA boxes produce.
-struct MnMajorStrides {
-  uint32_t lbo = 64 * 128;  // next 64 elements along N: the next box of 64 K-rows
-  uint32_t sbo = 8 * 128;   // next 8 rows along K
-};
-
-// L1: c[r, :I] = silu(a_r . gate_e) * (a_r . up_e); b = w_gate_up viewed as [E*2I, H].
-// Supports the gathered A.
+// m_grouped_gemm_nt_swiglu (n = intermediate, h = args.h_out); b = w_gate_up [E*2I, H].
 void grouped_gemm_swiglu(const GroupedGemmArgs& args, int64_t intermediate, cudaStream_t stream);
 
-// L2: c[r, :N] = a_r . b_e, N = b_rows_per_expert; b = w_down viewed as [E*H, I].
-// Also the backward's L1 recompute (b = w_gate_up, N = 2I, gathered A).
+// m_grouped_gemm_nt (n = b_rows_per_expert).
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
-// c[r, :n] = a_r . B_e with B = [num_experts, k, n] (n contiguous: N-major, e.g. w_down
-// in [E, H, I] read as K = H, N = I for the backward's dgrad). `strides` exists for tests.
+// m_grouped_gemm_nn (n = args.n): B = [num_experts, k, n].
 void grouped_gemm_b_n_major(const GroupedGemmArgs& args, cudaStream_t stream,
                             MnMajorStrides strides = {});
 
-// Backward of L2 and SwiGLU (dgrad): z_r = w_down_e^T dy_t for each sorted row r (A = dy
-// rows, gathered when args.a_row_index is set; B = w_down [E, H, I] as N-major K = H,
-// N = I = args.n), fused with da = p z, dh = [da u silu'(g), da silu(g)] from the
-// recomputed h = [g | u], and per-(row, N-tile) partials of dp = <z, silu(g) u>.
+// m_grouped_gemm_nn_swiglu_backward (n = args.n = I; C = dh, ld 2I, in args.c_padded's
+// layout with args.c_rows rows).
 struct SwiGLUBackwardArgs {
   const __nv_bfloat16* h;      // [rows, 2I]
   __nv_bfloat16* dh;           // [rows, 2I]
@@ -67,24 +58,13 @@ struct SwiGLUBackwardArgs {
 };
 void grouped_gemm_swiglu_backward(const GroupedGemmArgs& args, const SwiGLUBackwardArgs& bw,
                                   cudaStream_t stream);
+// swiglu_backward_dp_columns.
 int64_t swiglu_backward_n_tiles(int64_t intermediate);
 
-// Weight gradient, K-grouped over the experts' padded rows r (zeros in pad rows):
-//   c[e * m + i, j] = sum_r a[r, i] * b[r, j]     (a [rows, m], b [rows, n], both row-major)
-// e.g. dW_down = (p dy)^T a and dW_gate_up = dh^T x. An expert without rows gets zeros.
-struct WgradArgs {
-  const __nv_bfloat16* a;
-  const __nv_bfloat16* b;
-  int64_t padded_rows;           // rows allocated in a and b (>= tile_offsets[E] * 128)
-  int64_t m, n;                  // multiples of 128
-  int64_t num_experts;
-  const int32_t* tile_offsets;   // device [E+1]
-  __nv_bfloat16* c;              // [num_experts * m, n], written (unused with c_accumulate)
-  float* c_accumulate = nullptr; // [num_experts * m, n] fp32: C += the gradient instead
-};
+// k_grouped_gemm_tn.
+using WgradArgs = KGroupedGemmArgs;
 void grouped_gemm_wgrad(const WgradArgs& args, cudaStream_t stream);
 
-// Rows of an M-tile: expert groups are padded to a multiple of this for tile_offsets.
-constexpr int kGroupedGemmBlockM = 128;
+constexpr int kGroupedGemmBlockM = kGemmBlockM;
 
 }  // namespace megamoe::sm90

@@ -1,0 +1,109 @@
+// The store epilogue: C[row, n_tile * kOutCols + c] = the tile's output values in bf16, C in
+// the sorted or the padded row layout. Values maps the accumulators to the output columns:
+// the accumulators themselves here (C = A B, and the weight gradient in bf16: its tiles are
+// always full), silu(gate) * up in epilogue_swiglu.cuh.
+//
+// A full 64-row slab leaves through shared memory and TMA stores; a slab with rows past the
+// expert's end through masked stores from registers.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/sm90/epilogue_common.cuh"
+#include "kernels/sm90/tensor_map.h"
+
+namespace megamoe::sm90 {
+
+template <int kBlockN>
+struct AccumulatorValues {
+  static constexpr int kCols = kBlockN;
+  static constexpr BColumns kBColumns = BColumns::kContiguous;
+  __device__ __forceinline__ static float get(const float (&acc)[kBlockN / 2], int q, int half,
+                                              int j) {
+    return acc[Fragment::index(q, half, j)];
+  }
+};
+
+template <int kBlockN_, class Values = AccumulatorValues<kBlockN_>>
+class StoreEpilogue {
+ public:
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kOutCols = Values::kCols;
+  static constexpr BColumns kBColumns = Values::kBColumns;
+
+  struct Params {
+    CUtensorMap map;  // C in 64 x 64 boxes
+    __nv_bfloat16* c;
+    int64_t ld;
+    int32_t padded;   // C's rows are in the padded layout
+  };
+  // C = [rows, ld] bf16.
+  static Params params(__nv_bfloat16* c, int64_t rows, int64_t ld, bool padded) {
+    return {make_tensor_map(c, rows, ld, 64), c, ld, padded};
+  }
+
+  struct Buffers {
+    uint8_t staging[2][64 * kOutCols * 2];  // one 64-row slab per consumer warpgroup
+  };
+  struct Barriers {};
+  __device__ __forceinline__ static void init(Barriers&) {}
+
+  __device__ __forceinline__ StoreEpilogue(const Params& p, Buffers& buffers, Barriers&,
+                                           int consumer)
+      : map_(p.map),
+        c_(p.c),
+        ld_(p.ld),
+        padded_(p.padded),
+        staging_(buffers.staging[consumer]),
+        consumer_(consumer) {}
+
+  __device__ __forceinline__ void begin_tile(const Tile&) {}
+
+  __device__ __forceinline__ void store(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    if (full_slab(t)) {
+      store_staged(t, acc);
+    } else {
+      store_direct(t, acc);
+    }
+  }
+  __device__ __forceinline__ void finish() { wait_for_tma_stores(); }
+
+  // The parts of store(), for the epilogues built on this one.
+  __device__ __forceinline__ bool full_slab(const Tile& t) const {
+    return t.rows - consumer_ * 64 >= 64;
+  }
+  __device__ __forceinline__ void store_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    store_slab_staged<kOutCols>(map_, staging_, consumer_, t.n_tile * kOutCols,
+                                t.row(padded_) + consumer_ * 64,
+                                [&](int q, int half, int j) { return Values::get(acc, q, half, j); });
+  }
+  __device__ __forceinline__ void store_direct(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    const int slab = consumer_ * 64;
+    __nv_bfloat16* base = c_ + int64_t(t.row(padded_) + slab) * ld_ + t.n_tile * kOutCols;
+    for_each_output<kOutCols>(
+        [&](int q, int half, int j) { return Values::get(acc, q, half, j); },
+        [&](int r, int c, float v0, float v1) {
+          if (slab + r < t.rows) {
+            *reinterpret_cast<__nv_bfloat162*>(base + int64_t(r) * ld_ + c) =
+                __floats2bfloat162_rn(v0, v1);
+          }
+        });
+  }
+  __device__ __forceinline__ uint8_t* staging() const { return staging_; }
+  __device__ __forceinline__ int consumer() const { return consumer_; }
+  __device__ __forceinline__ bool padded() const { return padded_; }
+
+ private:
+  // Scalars are copied out of the params (epilogue_common.cuh says why); the map is used in
+  // place.
+  const CUtensorMap& map_;
+  __nv_bfloat16* c_;
+  int64_t ld_;
+  bool padded_;
+  uint8_t* staging_;
+  int consumer_;
+};
+
+}  // namespace megamoe::sm90

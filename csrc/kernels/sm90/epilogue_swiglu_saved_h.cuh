@@ -1,0 +1,99 @@
+// SwiGLU with the saved h: the SwiGLU epilogue, and when Params::h is set also
+//   h[r, n0 + c] = gate, h[r, I + n0 + c] = up    (h = [gate | up], [rows, 2I], C's row layout)
+// the L1 output before the activation, which the backward then reads instead of recomputing
+// L1. One kernel serves both: h is optional per call.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/sm90/epilogue_swiglu.cuh"
+
+namespace megamoe::sm90 {
+
+template <int kBlockN_>
+class SwiGLUSavedHEpilogue {
+  using Out = SwiGLUEpilogue<kBlockN_>;
+
+ public:
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kOutCols = Out::kOutCols;
+  static constexpr BColumns kBColumns = Out::kBColumns;
+  static constexpr int kHalf = kBlockN / 2;  // gate (or up) columns of the tile
+  static_assert(kHalf == kOutCols);          // an h half fills the staging buffer as C does
+
+  struct Params {
+    typename Out::Params out;
+    CUtensorMap map_h;     // h in 64 x 64 boxes (when h is set)
+    __nv_bfloat16* h;      // optional [rows, 2I]
+    int32_t half_n;        // I
+  };
+  // h: null, or [rows, 2 * half_n] bf16 with C's rows.
+  static Params params(const typename Out::Params& out, __nv_bfloat16* h, int64_t rows,
+                       int64_t half_n) {
+    return {out, h != nullptr ? make_tensor_map(h, rows, 2 * half_n, 64) : CUtensorMap{}, h,
+            static_cast<int32_t>(half_n)};
+  }
+
+  using Buffers = typename Out::Buffers;
+  using Barriers = typename Out::Barriers;
+  __device__ __forceinline__ static void init(Barriers& b) { Out::init(b); }
+
+  __device__ __forceinline__ SwiGLUSavedHEpilogue(const Params& p, Buffers& buffers,
+                                                  Barriers& barriers, int consumer)
+      : map_h_(p.map_h), h_(p.h), half_n_(p.half_n), out_(p.out, buffers, barriers, consumer) {}
+
+  __device__ __forceinline__ void begin_tile(const Tile&) {}
+
+  __device__ __forceinline__ void store(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    if (out_.full_slab(t)) {
+      out_.store_staged(t, acc);
+      if (h_ != nullptr) store_h_staged(t, acc);
+    } else {
+      out_.store_direct(t, acc);
+      if (h_ != nullptr) store_h_direct(t, acc);
+    }
+  }
+  __device__ __forceinline__ void finish() { out_.finish(); }
+
+ private:
+  // The gate half, then the up half, of the raw accumulators through the staging buffer
+  // and TMA stores, as C goes and for the same reason: h is twice C's size, and the bulk
+  // stores drain under the next tile's MMAs where register stores would stall the warps.
+  __device__ __forceinline__ void store_h_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    const int consumer = out_.consumer();
+    const int row = t.row(out_.padded()) + consumer * 64;
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {  // 0: gate columns, 1: up columns
+      store_slab_staged<kHalf>(map_h_, out_.staging(), consumer,
+                               part * half_n_ + t.n_tile * kHalf, row,
+                               [&](int q, int half, int j) {
+                                 return acc[Fragment::index(part * kHalf / 8 + q, half, j)];
+                               });
+    }
+  }
+
+  // A partial slab: masked register stores of the raw accumulators, read as kBlockN columns
+  // whose first half are gate columns n0.. and second half up columns I + n0...
+  __device__ __forceinline__ void store_h_direct(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    const int slab = out_.consumer() * 64;
+    const int64_t ld = 2 * int64_t(half_n_);
+    const int row0 = t.row(out_.padded());
+    for_each_output<kBlockN>(
+        [&](int q, int half, int j) { return acc[Fragment::index(q, half, j)]; },
+        [&](int r, int c, float v0, float v1) {
+          if (slab + r >= t.rows) return;
+          const int col = c < kHalf ? t.n_tile * kHalf + c : half_n_ + t.n_tile * kHalf + c - kHalf;
+          *reinterpret_cast<__nv_bfloat162*>(h_ + int64_t(row0 + slab + r) * ld + col) =
+              __floats2bfloat162_rn(v0, v1);
+        });
+  }
+
+  const CUtensorMap& map_h_;
+  __nv_bfloat16* h_;
+  int half_n_;
+  Out out_;
+};
+
+}  // namespace megamoe::sm90

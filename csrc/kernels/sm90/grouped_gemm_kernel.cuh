@@ -1,0 +1,126 @@
+// The grouped GEMM kernel, assembled from its parts, and its persistent launcher.
+//
+//   GroupedGemm<Grouping, Mainloop, ALoad, BLoad, Epilogue>
+//     Grouping  -> TileScheduler (tile_scheduler.cuh): which tiles, in which order
+//     Mainloop  (mainloop_bf16.cuh): stage storage and the MMAs; owns the element type
+//     ALoad, BLoad (operand_tma.cuh, operand_gathered.cuh): how the producer fills a stage
+//     Epilogue  (epilogue_*.cuh): what the accumulators become
+//
+// Warp-specialized and persistent: warpgroup 0 is the producer (producer.cuh), warpgroups 1
+// and 2 each own 64 rows of the 128-row tile, run the mainloop into fp32 registers and then
+// the epilogue. Producer and consumers meet in a ring of shared-memory stages (full / empty
+// mbarriers, Pipeline); the stage count is what the shared-memory budget leaves after the
+// epilogue's buffers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "kernels/common/sm_count.h"
+#include "kernels/sm90/gemm_common.cuh"
+#include "kernels/sm90/producer.cuh"
+#include "kernels/sm90/tile_scheduler.cuh"
+
+namespace megamoe::sm90 {
+
+template <Grouping kGrouping, class Mainloop_, class ALoad_, class BLoad_, class Epilogue_>
+struct GroupedGemm {
+  using Mainloop = Mainloop_;
+  using ALoad = ALoad_;
+  using BLoad = BLoad_;
+  using Epilogue = Epilogue_;
+  using Scheduler = TileScheduler<kGrouping, Mainloop::kBlockK>;
+  using Producer = sm90::Producer<Mainloop, ALoad, BLoad>;
+
+  static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
+  static_assert(Epilogue::kBColumns == BLoad::kColumns, "the epilogue needs another B tile");
+  // The weight gradient's A is [rows, m]: its tile is M columns of the expert's rows.
+  static_assert((kGrouping == Grouping::kK) == (Mainloop::kAMajor == Major::kMN));
+  static_assert(kGrouping == Grouping::kM || ALoad::kThreads == 1);
+
+  static constexpr int kStages =
+      (kSharedBudget - int(sizeof(typename Epilogue::Buffers))) / Mainloop::kStageBytes;
+
+  struct Params {
+    typename Scheduler::Params scheduler;
+    typename ALoad::Params a;
+    typename BLoad::Params b;
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+  };
+
+  struct alignas(1024) SharedStorage {
+    typename Mainloop::template Tiles<kStages> tiles;  // 1024-byte multiples: swizzle atoms
+    typename Epilogue::Buffers epilogue;
+    Pipeline<kStages> pipeline;
+    typename Epilogue::Barriers epilogue_barriers;
+  };
+  static constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment
+  static_assert(kSharedBytes <= 227 * 1024);
+};
+
+template <class Gemm>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ typename Gemm::Params p) {
+  using Mainloop = typename Gemm::Mainloop;
+  using Epilogue = typename Gemm::Epilogue;
+  using Producer = typename Gemm::Producer;
+  constexpr int kStages = Gemm::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename Gemm::SharedStorage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&smem.pipeline.full[s], Producer::kFullArrivals);
+      mbarrier_init(&smem.pipeline.empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    Epilogue::init(smem.epilogue_barriers);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const typename Gemm::Scheduler scheduler(p.scheduler);
+  if (warpgroup == 0) {
+    // The producer needs few registers: give them to the consumers' accumulators.
+    setmaxnreg_dec<kProducerRegisters>();
+    if (Producer::kThreads == 128 || threadIdx.x == 0) {
+      Producer::run(p.a, p.b, p.mainloop, scheduler, smem.tiles, smem.pipeline);
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  Epilogue epilogue(p.epilogue, smem.epilogue, smem.epilogue_barriers, consumer);
+  const Mainloop mainloop(p.mainloop);
+  float acc[Mainloop::kAccumulators];
+  PipelineState<kStages> state;
+  scheduler.for_each_tile([&](const Tile& t) {
+    epilogue.begin_tile(t);
+    mainloop.template mma<Gemm::ALoad::kGenericProxy>(smem.tiles, smem.pipeline, state, t, acc,
+                                                      consumer);
+    epilogue.store(t, acc);
+  });
+  epilogue.finish();
+}
+
+// The one launcher: a persistent grid of min(tiles, SMs) blocks over `max_tiles`, a bound
+// on the tiles (the scheduler's). Nothing to do is no launch.
+template <class Gemm>
+void launch_grouped_gemm(const typename Gemm::Params& p, int64_t max_tiles, cudaStream_t stream) {
+  if (max_tiles <= 0) return;
+  const int sms = sm_count();
+  const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
+  auto* kernel = &grouped_gemm_kernel<Gemm>;
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          int(Gemm::kSharedBytes)));
+  kernel<<<grid, kThreads, Gemm::kSharedBytes, stream>>>(p);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,48 @@
+// m_grouped_gemm_nt and m_grouped_gemm_nn: M-grouped GEMMs with C stored in bf16.
+#include "kernels/common/kernel_preload.h"
+#include "kernels/sm90/epilogue_store.cuh"
+#include "kernels/sm90/gemm.h"
+#include "kernels/sm90/m_grouped_launch.cuh"
+
+namespace megamoe::sm90 {
+namespace {
+
+// B_e is [n, k] (kBMajor = kK) or [k, n] (kMN), stacked over the experts.
+template <Major kBMajor>
+void run_store(const MGroupedGemmArgs& a, bool wide, const char* name, MnMajorStrides strides,
+               cudaStream_t stream) {
+  if (a.n % 128 != 0 || a.n < 1) {
+    throw_invalid(std::string(name) + ": N must be a positive multiple of 128");
+  }
+  check_m_grouped(a, name);
+  if (a.groups.rows == 0) return;
+  dispatch_m_grouped(a, wide, [&](auto block_n, auto gathered) {
+    constexpr int kBlockN = decltype(block_n)::value;
+    using Gemm = MGroupedGemm<MainloopBf16<kBlockN, Major::kK, kBMajor>, decltype(gathered)::value,
+                              StoreEpilogue<kBlockN>>;
+    const int64_t experts = a.groups.num_experts;
+    const auto b = kBMajor == Major::kK ? Gemm::BLoad::params(a.b, experts * a.n, a.k, a.n)
+                                        : Gemm::BLoad::params(a.b, experts * a.k, a.n, a.k);
+    const auto epilogue = Gemm::Epilogue::params(a.c.data, a.c.rows, a.c.ld,
+                                                 a.c.layout == RowLayout::kPadded);
+    launch_m_grouped<Gemm>(a, b, a.n / kBlockN, epilogue, stream, strides);
+  });
+}
+
+[[maybe_unused]] const bool kPreloadable = register_kernel_module(
+    &grouped_gemm_kernel<
+        MGroupedGemm<MainloopBf16<128, Major::kK, Major::kK>, false, StoreEpilogue<128>>>);
+
+}  // namespace
+
+void m_grouped_gemm_nt(const MGroupedGemmArgs& args, cudaStream_t stream) {
+  run_store<Major::kK>(args, MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && args.n % 256 == 0,
+                       "m_grouped_gemm_nt", {}, stream);
+}
+
+void m_grouped_gemm_nn(const MGroupedGemmArgs& args, cudaStream_t stream,
+                       MnMajorStrides strides) {
+  run_store<Major::kMN>(args, args.n % 256 == 0, "m_grouped_gemm_nn", strides, stream);
+}
+
+}  // namespace megamoe::sm90

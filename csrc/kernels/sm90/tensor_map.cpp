@@ -1,0 +1,44 @@
+#include "kernels/sm90/tensor_map.h"
+
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <string>
+#include <type_traits>
+
+#include "core/driver_entry.h"
+#include "core/error.h"
+
+namespace megamoe::sm90 {
+namespace {
+
+// The driver's tensor-map encoder (found once; a failed lookup is retried by the next call).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn =
+      driver_function<std::remove_pointer_t<PFN_cuTensorMapEncodeTiled_v12000>>(
+          "cuTensorMapEncodeTiled", 12000);
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(__nv_bfloat16)};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult res = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    throw Error(MEGAMOE_ERROR_CUDA, "cuTensorMapEncodeTiled failed with CUresult " +
+                                        std::to_string(static_cast<int>(res)) + " for a [" +
+                                        std::to_string(rows) + ", " + std::to_string(cols) +
+                                        "] bf16 matrix");
+  }
+  return map;
+}
+
+}  // namespace megamoe::sm90
