@@ -12,12 +12,10 @@ namespace megamoe::sm90 {
 
 template <int kBlockN_>
 class WeightGradEpilogue {
-  using Bf16 = StoreEpilogue<kBlockN_>;
-
  public:
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kOutCols = kBlockN;
-  static constexpr BColumns kBColumns = BColumns::kContiguous;
+  using Bf16 = StoreEpilogue<kBlockN_>;  // the bf16 output; the tile is the same
+  static constexpr int kBlockN = Bf16::kBlockN, kOutCols = Bf16::kOutCols;
+  static constexpr BColumns kBColumns = Bf16::kBColumns;
 
   struct Params {
     typename Bf16::Params bf16;  // used when f32 is null

@@ -1,27 +1,15 @@
 // k_grouped_gemm_tn: the weight gradients, K-grouped over the experts' padded rows.
-#include "kernels/common/kernel_preload.h"
-#include "kernels/sm90/epilogue_weight_grad.cuh"
-#include "kernels/sm90/gemm.h"
-#include "kernels/sm90/grouped_gemm_kernel.cuh"
-#include "kernels/sm90/mainloop_bf16.cuh"
-#include "kernels/sm90/operand_tma.cuh"
-
 #include "core/error.h"
+#include "kernels/common/kernel_preload.h"
+#include "kernels/sm90/gemm.h"
+#include "kernels/sm90/gemm_variants.cuh"
 
 namespace megamoe::sm90 {
 namespace {
 
-// The K-grouped GEMM of a mainloop and an epilogue: A and B by TMA.
-template <class Mainloop, class Epilogue>
-using KGroupedGemm = GroupedGemm<Grouping::kK, Mainloop, ATma<Mainloop>, BTma<Mainloop>, Epilogue>;
-
-template <int kBlockN>
-using WeightGradGemm =
-    KGroupedGemm<MainloopBf16<kBlockN, Major::kMN, Major::kMN>, WeightGradEpilogue<kBlockN>>;
-
 template <int kBlockN>
 void run(const KGroupedGemmArgs& w, cudaStream_t stream) {
-  using Gemm = WeightGradGemm<kBlockN>;
+  using Gemm = KGroupedGemmTn<kBlockN>;
   typename Gemm::Params p{};
   p.scheduler = Gemm::Scheduler::k_grouped(w.tile_offsets, w.num_experts, w.m, w.n / kBlockN);
   p.a = Gemm::ALoad::params(w.a, w.padded_rows, w.m, false);
@@ -32,7 +20,7 @@ void run(const KGroupedGemmArgs& w, cudaStream_t stream) {
 }
 
 [[maybe_unused]] const bool kPreloadable =
-    register_kernel_module(&grouped_gemm_kernel<WeightGradGemm<128>>);
+    register_kernel_module(&grouped_gemm_kernel<KGroupedGemmTn<128>>);
 
 }  // namespace
 

@@ -1,13 +1,12 @@
 // m_grouped_gemm_nt and m_grouped_gemm_nn: M-grouped GEMMs with C stored in bf16.
 #include "kernels/common/kernel_preload.h"
-#include "kernels/sm90/epilogue_store.cuh"
 #include "kernels/sm90/gemm.h"
 #include "kernels/sm90/m_grouped_launch.cuh"
 
 namespace megamoe::sm90 {
 namespace {
 
-// B_e is [n, k] (kBMajor = kK) or [k, n] (kMN), stacked over the experts.
+// B_e is [n, k] (nt) or [k, n] (nn), stacked over the experts.
 template <Major kBMajor>
 void run_store(const MGroupedGemmArgs& a, bool wide, const char* name, MnMajorStrides strides,
                cudaStream_t stream) {
@@ -18,8 +17,9 @@ void run_store(const MGroupedGemmArgs& a, bool wide, const char* name, MnMajorSt
   if (a.groups.rows == 0) return;
   dispatch_m_grouped(a, wide, [&](auto block_n, auto gathered) {
     constexpr int kBlockN = decltype(block_n)::value;
-    using Gemm = MGroupedGemm<MainloopBf16<kBlockN, Major::kK, kBMajor>, decltype(gathered)::value,
-                              StoreEpilogue<kBlockN>>;
+    constexpr bool kGathered = decltype(gathered)::value;
+    using Gemm = std::conditional_t<kBMajor == Major::kK, MGroupedGemmNt<kBlockN, kGathered>,
+                                    MGroupedGemmNn<kBlockN, kGathered>>;
     const int64_t experts = a.groups.num_experts;
     const auto b = kBMajor == Major::kK ? Gemm::BLoad::params(a.b, experts * a.n, a.k, a.n)
                                         : Gemm::BLoad::params(a.b, experts * a.k, a.n, a.k);
@@ -29,9 +29,8 @@ void run_store(const MGroupedGemmArgs& a, bool wide, const char* name, MnMajorSt
   });
 }
 
-[[maybe_unused]] const bool kPreloadable = register_kernel_module(
-    &grouped_gemm_kernel<
-        MGroupedGemm<MainloopBf16<128, Major::kK, Major::kK>, false, StoreEpilogue<128>>>);
+[[maybe_unused]] const bool kPreloadable =
+    register_kernel_module(&grouped_gemm_kernel<MGroupedGemmNt<128, false>>);
 
 }  // namespace
 

@@ -1,21 +1,13 @@
 // m_grouped_gemm_nt_swiglu: L1 of the expert MLP, the SwiGLU (and optionally the saved h) in
 // the epilogue.
 #include "kernels/common/kernel_preload.h"
-#include "kernels/sm90/epilogue_swiglu_saved_h.cuh"
 #include "kernels/sm90/gemm.h"
 #include "kernels/sm90/m_grouped_launch.cuh"
 
 namespace megamoe::sm90 {
-namespace {
 
-template <int kBlockN, bool kGathered>
-using SwiGLUGemm = MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kK>, kGathered,
-                                SwiGLUSavedHEpilogue<kBlockN>>;
-
-[[maybe_unused]] const bool kPreloadable =
-    register_kernel_module(&grouped_gemm_kernel<SwiGLUGemm<128, false>>);
-
-}  // namespace
+[[maybe_unused]] static const bool kPreloadable =
+    register_kernel_module(&grouped_gemm_kernel<MGroupedGemmNtSwiGLU<128, false>>);
 
 void m_grouped_gemm_nt_swiglu(const MGroupedGemmArgs& a, __nv_bfloat16* h,
                               cudaStream_t stream) {
@@ -29,7 +21,7 @@ void m_grouped_gemm_nt_swiglu(const MGroupedGemmArgs& a, __nv_bfloat16* h,
   const bool wide = MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && a.n % 128 == 0;
   dispatch_m_grouped(a, wide, [&](auto block_n, auto gathered) {
     constexpr int kBlockN = decltype(block_n)::value;
-    using Gemm = SwiGLUGemm<kBlockN, decltype(gathered)::value>;
+    using Gemm = MGroupedGemmNtSwiGLU<kBlockN, decltype(gathered)::value>;
     using Epilogue = typename Gemm::Epilogue;
     const auto b = Gemm::BLoad::params(a.b, a.groups.num_experts * 2 * a.n, a.k, 2 * a.n, a.n);
     const auto out = SwiGLUEpilogue<kBlockN>::params(a.c.data, a.c.rows, a.c.ld,

@@ -1,21 +1,13 @@
 // m_grouped_gemm_nn_swiglu_backward: the dgrad of L2 with the SwiGLU backward in the
 // epilogue.
 #include "kernels/common/kernel_preload.h"
-#include "kernels/sm90/epilogue_swiglu_backward.cuh"
 #include "kernels/sm90/gemm.h"
 #include "kernels/sm90/m_grouped_launch.cuh"
 
 namespace megamoe::sm90 {
-namespace {
 
-template <int kBlockN, bool kGathered>
-using SwiGLUBackwardGemm = MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, kGathered,
-                                        SwiGLUBackwardEpilogue<kBlockN>>;
-
-[[maybe_unused]] const bool kPreloadable =
-    register_kernel_module(&grouped_gemm_kernel<SwiGLUBackwardGemm<128, false>>);
-
-}  // namespace
+[[maybe_unused]] static const bool kPreloadable =
+    register_kernel_module(&grouped_gemm_kernel<MGroupedGemmNnSwiGLUBackward<128, false>>);
 
 void m_grouped_gemm_nn_swiglu_backward(const MGroupedGemmArgs& a, const SwiGLUGradArgs& g,
                                        cudaStream_t stream) {
@@ -29,7 +21,7 @@ void m_grouped_gemm_nn_swiglu_backward(const MGroupedGemmArgs& a, const SwiGLUGr
   if (a.groups.rows == 0) return;
   dispatch_m_grouped(a, a.n % 256 == 0, [&](auto block_n, auto gathered) {
     constexpr int kBlockN = decltype(block_n)::value;
-    using Gemm = SwiGLUBackwardGemm<kBlockN, decltype(gathered)::value>;
+    using Gemm = MGroupedGemmNnSwiGLUBackward<kBlockN, decltype(gathered)::value>;
     const auto b = Gemm::BLoad::params(a.b, a.groups.num_experts * a.k, a.n, a.k);
     const auto epilogue = Gemm::Epilogue::params(
         g.h, a.groups.rows, a.c.data, g.a_out, a.c.rows, a.c.layout == RowLayout::kPadded,

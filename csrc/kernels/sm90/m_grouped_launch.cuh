@@ -8,10 +8,7 @@
 
 #include "core/error.h"
 #include "kernels/sm90/gemm.h"
-#include "kernels/sm90/grouped_gemm_kernel.cuh"
-#include "kernels/sm90/mainloop_bf16.cuh"
-#include "kernels/sm90/operand_gathered.cuh"
-#include "kernels/sm90/operand_tma.cuh"
+#include "kernels/sm90/gemm_variants.cuh"
 
 // Wider tiles halve the shared-memory traffic per MMA; 128-wide ones cover the other sizes.
 // (m_grouped_gemm_nt and _nt_swiglu; a build with 128 measures the narrow tiles alone.)
@@ -22,14 +19,6 @@
 namespace megamoe::sm90 {
 
 static_assert(kGemmBlockM == kBlockM);
-
-// The M-grouped GEMM of a mainloop and an epilogue: A by TMA or gathered, B by TMA in the
-// mainloop's major order, with the B tile the epilogue needs.
-template <class Mainloop, bool kGathered, class Epilogue>
-using MGroupedGemm =
-    GroupedGemm<Grouping::kM, Mainloop,
-                std::conditional_t<kGathered, AGathered<Mainloop>, ATma<Mainloop>>,
-                BTma<Mainloop, Epilogue::kBColumns>, Epilogue>;
 
 // Throws the argument errors every M-grouped GEMM shares; `name` is the function's.
 inline void check_m_grouped(const MGroupedGemmArgs& a, const char* name) {
@@ -59,7 +48,7 @@ void dispatch_m_grouped(const MGroupedGemmArgs& a, bool wide, Run&& run) {
   }
 }
 
-// Launches Gemm (an MGroupedGemm) on the call's groups and A, with its B and epilogue.
+// Launches Gemm (an MGroupedGemm, gemm_variants.cuh) on the call's groups and A, with its B and epilogue.
 template <class Gemm>
 void launch_m_grouped(const MGroupedGemmArgs& a, const typename Gemm::BLoad::Params& b,
                       int64_t n_tiles, const typename Gemm::Epilogue::Params& epilogue,

@@ -1,0 +1,46 @@
+// The parts of each GEMM of gemm.h, one alias each: the one place where parts are chosen.
+// A new mainloop (e.g. FP8 with its scales) or a new A loader (e.g. one that waits on the
+// arrival counters of an overlapped dispatch) is a new file plus a change to a line here.
+#pragma once
+
+#include <type_traits>
+
+#include "kernels/sm90/epilogue_store.cuh"
+#include "kernels/sm90/epilogue_swiglu_backward.cuh"
+#include "kernels/sm90/epilogue_swiglu_saved_h.cuh"
+#include "kernels/sm90/epilogue_weight_grad.cuh"
+#include "kernels/sm90/grouped_gemm_kernel.cuh"
+#include "kernels/sm90/mainloop_bf16.cuh"
+#include "kernels/sm90/operand_gathered.cuh"
+#include "kernels/sm90/operand_tma.cuh"
+
+namespace megamoe::sm90 {
+
+// M-grouped: A by TMA or gathered, B by TMA in the mainloop's major order, with the B tile
+// the epilogue needs. K-grouped: both by TMA.
+template <class Mainloop, bool kGathered, class Epilogue>
+using MGroupedGemm =
+    GroupedGemm<Grouping::kM, Mainloop,
+                std::conditional_t<kGathered, AGathered<Mainloop>, ATma<Mainloop>>,
+                BTma<Mainloop, Epilogue::kBColumns>, Epilogue>;
+template <class Mainloop, class Epilogue>
+using KGroupedGemm = GroupedGemm<Grouping::kK, Mainloop, ATma<Mainloop>, BTma<Mainloop>, Epilogue>;
+
+template <int kBlockN, bool kGathered>
+using MGroupedGemmNt =
+    MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kK>, kGathered, StoreEpilogue<kBlockN>>;
+template <int kBlockN, bool kGathered>
+using MGroupedGemmNn =
+    MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, kGathered, StoreEpilogue<kBlockN>>;
+template <int kBlockN, bool kGathered>
+using MGroupedGemmNtSwiGLU = MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kK>, kGathered,
+                                          SwiGLUSavedHEpilogue<kBlockN>>;
+template <int kBlockN, bool kGathered>
+using MGroupedGemmNnSwiGLUBackward =
+    MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, kGathered,
+                 SwiGLUBackwardEpilogue<kBlockN>>;
+template <int kBlockN>
+using KGroupedGemmTn =
+    KGroupedGemm<MainloopBf16<kBlockN, Major::kMN, Major::kMN>, WeightGradEpilogue<kBlockN>>;
+
+}  // namespace megamoe::sm90
