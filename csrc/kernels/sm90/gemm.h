@@ -17,7 +17,9 @@
 //
 // Rows of M-grouped operands: the sorted order puts expert e's rows at expert_offsets[e]..;
 // the padded layout at tile_offsets[e] * kGemmBlockM.., each expert padded to a multiple of
-// kGemmBlockM rows (the weight gradients' operands, whose pad rows hold zeros).
+// kGemmBlockM rows (the weight gradients' operands, whose pad rows hold zeros). An output in
+// the padded layout: the SwiGLU backward writes its pad rows as zeros; the other GEMMs write
+// only the experts' rows and leave pad rows as they are.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -5,8 +5,11 @@
 // Element, kBlockN, kBlockK (K per stage: 128 bytes of a row), the majors of A and B, the
 // tile bytes of a stage, Tiles<kStages> (its stage storage), Params (its constructor's),
 // kExtraTmaBytes with load_extras() (per-stage loads besides A and B, issued by the
-// producer's TMA thread) and mma(). Another element type (e.g. FP8 with scales and promotion of the accumulators) is
-// another file with the same members, chosen where a launcher picks the parts.
+// producer's TMA thread) and mma(). The loaders and the tile scheduler take the element
+// type, kBlockK and the tile bytes from it. Another element type is another file with the
+// same members, chosen in gemm_variants.cuh; e.g. blockwise FP8: e4m3 tiles (kBlockK = 128,
+// with a TmaElement for its tensor maps), A's scales as the stage's extra TMA load, and an
+// mma() that promotes each k-block's partial sums into fp32 accumulators with the scales.
 #pragma once
 
 #include <cuda_bf16.h>

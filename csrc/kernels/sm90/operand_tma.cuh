@@ -53,8 +53,8 @@ struct ATma {
   };
   // A = [rows, cols] (K-major: cols = K; MN-major: cols = M).
   static Params params(const void* a, int64_t rows, int64_t cols, bool padded) {
-    return {make_tensor_map(a, rows, cols, kMajor == Major::kK ? kBlockM : Mainloop::kBlockK),
-            padded};
+    const int box_rows = kMajor == Major::kK ? kBlockM : Mainloop::kBlockK;
+    return {make_tensor_map<typename Mainloop::Element>(a, rows, cols, box_rows), padded};
   }
 
   __device__ __forceinline__ explicit ATma(const Params& p) : map_(p.map), padded_(p.padded) {}
@@ -96,7 +96,8 @@ struct BTma {
     const int box_rows = kMajor == Major::kMN ? Mainloop::kBlockK
                          : kColumns == BColumns::kGateUpHalves ? kBlockN / 2
                                                                : kBlockN;
-    return {make_tensor_map(b, rows, cols, box_rows), static_cast<int32_t>(expert_rows),
+    return {make_tensor_map<typename Mainloop::Element>(b, rows, cols, box_rows),
+            static_cast<int32_t>(expert_rows),
             static_cast<int32_t>(half_n)};
   }
 

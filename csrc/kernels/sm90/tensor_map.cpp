@@ -1,6 +1,5 @@
 #include "kernels/sm90/tensor_map.h"
 
-#include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 
 #include <string>
@@ -22,21 +21,24 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 }  // namespace
 
-CUtensorMap make_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+CUtensorMap make_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows,
+                            CUtensorMapDataType type, int element_bytes) {
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(__nv_bfloat16)};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * element_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / element_bytes),
+                             static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult res = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      &map, type, 2, const_cast<void*>(base), dims, strides, box,
       element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
     throw Error(MEGAMOE_ERROR_CUDA, "cuTensorMapEncodeTiled failed with CUresult " +
                                         std::to_string(static_cast<int>(res)) + " for a [" +
                                         std::to_string(rows) + ", " + std::to_string(cols) +
-                                        "] bf16 matrix");
+                                        "] matrix of " + std::to_string(element_bytes) +
+                                        "-byte elements");
   }
   return map;
 }
