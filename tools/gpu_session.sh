@@ -1,35 +1,105 @@
 #!/usr/bin/env bash
-# One GPU-machine session: every GPU check, then the committed benchmarks and per-kernel
-# profiles, packed into one archive (the device tool returns few files).
-# Usage: bash tools/gpu_session.sh OUT_DIR
-# Set MEGAMOE_BENCH_COMMIT to the commit being measured when the tree has no .git.
+# The GPU machine's work for one call, in stages, with every log packed into one archive
+# (the device tool returns few files). Uses the library and tests already built in build/
+# (tools/run_tests.sh builds them; carry build/ instead of compiling there).
+#
+#   bash tools/gpu_session.sh OUT_DIR STAGE [STAGE ...]
+#
+# Stages:
+#   check          tools/gpu_check.sh: every C++ and Python GPU test, SASS, compute-sanitizer,
+#                  a short benchmark
+#   ab             a refactor's A/B against the library in build-base/ (BASE_LIB): outputs
+#                  compared bit for bit (tools/ab_outputs.py), then megamoe-bench of the fused
+#                  backend at both presets, 16384 tokens, both backward modes, base and new
+#                  in alternation, twice
+#   bench          the committed layer benchmarks (torch and fused, 16384 and 512 tokens;
+#                  EP=2 too with two GPUs)
+#   profile        per-kernel times of both presets (saved mode)
+#   smoke          megamoe-train's embedded GPU default for 10 steps
+#   attn           PyTorch's attention backends on the trainer's attention (tools/attention_backends.py)
+#   train:B[,B..]  megamoe-train-bench rows of backends B (mega_moe, torch, hf) for the record
+#                  named by $TRAIN_NAME (TRAIN_ARGS: extra arguments, e.g. "--steps 20")
+#   det            a second 50-step mega_moe run beside the saved first one (determinism)
+# Set MEGAMOE_BENCH_COMMIT to the commit being measured when the tree has no .git, and
+# STAGE_TIMEOUT (seconds, default 590) to bound each stage.
 set -uo pipefail
-out=${1:?usage: tools/gpu_session.sh OUT_DIR}
+out=${1:?usage: tools/gpu_session.sh OUT_DIR STAGE [STAGE ...]}
+shift
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 work=$(mktemp -d)
-mkdir -p "$work/check" "$work/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$repo/python" MEGAMOE_LIBRARY="$repo/build/libmegamoe.so"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-status=0
-bash tools/gpu_check.sh "$work/check" || status=1
+export MEGAMOE_CACHE_DIR=${MEGAMOE_CACHE_DIR:-$repo/.megamoe-cache}
+base_lib=${BASE_LIB:-$repo/build-base/libmegamoe.so}
+train_name=${TRAIN_NAME:-h200-qwen3-30b-a3b}
+limit=${STAGE_TIMEOUT:-590}
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-python3 -m megamoe.bench --backends ${BACKENDS:-torch,fused} --tokens 16384,512 \
-  --out-dir "$work/results" --name h200-ep1-t16384 2>&1 | tee "$work/results/h200-ep1-t16384.log" || status=1
-if [ "$gpus" -ge 2 ]; then
-  python3 -m torch.distributed.run --nproc-per-node 2 -m megamoe.bench --ep 2 \
-    --backends ${BACKENDS:-torch,fused} --tokens 16384 --out-dir "$work/results" \
-    --name h200x2-ep2-t16384 2>&1 | tee "$work/results/h200x2-ep2-t16384.log" || status=1
-fi
-# Per-kernel times behind the figures (saved mode; rank 0 of EP=2).
-for model in qwen3-30b-a3b qwen3-235b-a22b; do
-  python3 tools/profile_layer.py --model "$model" --backward --backward-mode saved \
-    >"$work/results/profile-$model.txt" 2>&1 || status=1
-  if [ "$gpus" -ge 2 ]; then
-    python3 -m torch.distributed.run --nproc-per-node 2 tools/profile_layer.py --ep 2 \
-      --model "$model" --backward --backward-mode saved \
-      >"$work/results/profile-ep2-$model.txt" 2>&1 || status=1
-  fi
+status=0
+run() {  # run LOG COMMAND...: a step with its log kept, bounded by the stage timeout
+  local log=$1; shift
+  local t0=$SECONDS
+  echo "== $log: $*" >&2
+  timeout "$limit" "$@" >"$work/$log" 2>&1
+  local rc=$?
+  echo "   rc $rc ($((SECONDS - t0)) s)" >&2
+  tail -n 12 "$work/$log" >&2
+  [ $rc -eq 0 ] || status=1
+}
+bench_ab() {  # bench_ab TAG LIB
+  MEGAMOE_LIBRARY=$2 python3 -m megamoe.bench --backends fused --model qwen3-30b-a3b \
+    --model qwen3-235b-a22b --tokens 16384 --out-dir "$work/ab" --name "ab-$1" --no-plot
+}
+
+for stage in "$@"; do
+  case $stage in
+    check)
+      run check.log bash tools/gpu_check.sh "$work/check" ;;
+    ab)
+      mkdir -p "$work/ab"
+      run ab-dump-base.log env MEGAMOE_LIBRARY="$base_lib" python3 tools/ab_outputs.py dump "$work/ab/base.pt"
+      run ab-dump-new.log python3 tools/ab_outputs.py dump "$work/ab/new.pt"
+      run ab-compare.log python3 tools/ab_outputs.py compare "$work/ab/base.pt" "$work/ab/new.pt"
+      rm -f "$work"/ab/*.pt
+      for round in 1 2; do
+        run "ab-bench-base-$round.log" bench_ab "base-$round" "$base_lib"
+        run "ab-bench-new-$round.log" bench_ab "new-$round" "$MEGAMOE_LIBRARY"
+      done ;;
+    bench)
+      mkdir -p "$work/results"
+      run bench-ep1.log python3 -m megamoe.bench --backends torch,fused --tokens 16384,512 \
+        --out-dir "$work/results" --name h200-ep1-t16384
+      if [ "$gpus" -ge 2 ]; then
+        run bench-ep2.log python3 -m torch.distributed.run --nproc-per-node 2 -m megamoe.bench \
+          --ep 2 --backends torch,fused --tokens 16384 --out-dir "$work/results" --name h200x2-ep2-t16384
+      fi ;;
+    profile)
+      for model in qwen3-30b-a3b qwen3-235b-a22b; do
+        run "profile-$model.log" python3 tools/profile_layer.py --model "$model" --backward \
+          --backward-mode saved
+      done ;;
+    attn)
+      run attention.log python3 tools/attention_backends.py ;;
+    smoke)
+      run smoke.log python3 -m megamoe.train --train.steps 10 --log.dir "$work/smoke" ;;
+    train:*)
+      backends=${stage#train:}
+      # shellcheck disable=SC2086
+      run "train-${backends//,/-}.log" python3 -m megamoe.train.bench bench-qwen3-30b-a3b \
+        --backends "$backends" --name "$train_name" --out-dir "$work/train" \
+        --work-dir "$work/train-runs" --no-plot ${TRAIN_ARGS:-} ;;
+    det)
+      run det.log python3 -m megamoe.train.bench bench-qwen3-30b-a3b --backends mega_moe \
+        --steps 50 --repeat-start 2 --no-parts --name "$train_name" --out-dir "$work/train" \
+        --work-dir "$work/train-runs" --no-plot ;;
+    *)
+      echo "unknown stage $stage" >&2; status=1 ;;
+  esac
 done
-tar -C "$work" -czf "$out/gpu_session.tar.gz" check results
+# The BPE tokenizer the trainer learned on this machine's corpus comes back too: a later
+# call carries it in .megamoe-cache and skips the training.
+[ -d "$MEGAMOE_CACHE_DIR/tokenizers" ] && cp -r "$MEGAMOE_CACHE_DIR/tokenizers" "$work/"
+find "$work" -name '*.pt' -delete
+tar -C "$work" -czf "$out/gpu_session.tar.gz" .
+ls -la "$out" >&2
 exit $status
