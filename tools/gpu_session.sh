@@ -51,6 +51,11 @@ bench_ab() {  # bench_ab TAG LIB
     --model qwen3-235b-a22b --tokens 16384 --out-dir "$work/ab" --name "ab-$1" --no-plot
 }
 
+# Rows saved by an earlier call (carried in .train-rows/) join this call's: the determinism
+# run compares itself with the saved first mega_moe run.
+if [ -d "$repo/.train-rows" ]; then
+  mkdir -p "$work/train/$train_name.rows" && cp "$repo"/.train-rows/*.json "$work/train/$train_name.rows/"
+fi
 for stage in "$@"; do
   case $stage in
     check)

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, needs_cuda]
 
 def _losses(tmp_path, name, *overrides):
     settings = [("model.num_layers", "2"), ("data.seq_len", "4096"), ("data.tokenizer", '"bytes"'),
-                ("train.steps", "4"), ("optim.warmup_steps", "1"), ("optim.lr", "1e-3"),
+                ("train.steps", "4"), ("optim.warmup_steps", "1"), ("optim.lr", "2e-4"),
                 ("log.plot", "false"), ("log.dir", f'"{tmp_path / name}"'), *overrides]
     summary = run(config_mod.load("default-gpu", settings))
     assert summary["peak_memory_gib"] > 0

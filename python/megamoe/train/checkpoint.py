@@ -83,6 +83,12 @@ class Checkpointer:
         has_rng = any(key.startswith(rng_key + ".") or key == rng_key for key in stored)
         if not has_rng:
             state.pop(rng_key)
+        else:
+            # Load only the generators the checkpoint holds: a process that had not used
+            # CUDA when it saved has no CUDA state, and the one loading may have one.
+            for generator in list(state[rng_key]):
+                if f"{rng_key}.{generator}" not in stored:
+                    del state[rng_key][generator]
         dcp.load(state, checkpoint_id=str(path))
         # The loads wrote into the live tensors (or their views); these calls put them back
         # through the state-dict API, which also restores the optimizer's param groups.

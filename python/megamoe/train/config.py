@@ -26,6 +26,7 @@ DISPATCH_TYPES = ("mega_moe", "torch", "hf")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 BUILT_PRECISIONS = ("bf16",)
 BACKWARD_MODES = ("recompute", "saved")
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
 class ConfigError(ValueError):
@@ -75,6 +76,10 @@ class ModelConfig:
                        choices=("random", "pretrained"))
     attn_implementation: str = option("sdpa", "transformers attention implementation "
                                       "('sdpa', 'eager', 'flash_attention_2', ...)")
+    sdpa_backend: str = option("auto", "with attn_implementation = 'sdpa': the PyTorch "
+                               "attention kernel tried first ('cudnn', 'flash', 'efficient', "
+                               "'math'; the others stay as fallbacks), or 'auto' (PyTorch's "
+                               "own order)", choices=SDPA_BACKENDS)
     config: dict = option({}, "further overrides of the transformers config's attributes, "
                           "e.g. {vocab_size = 32768}")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "the MoE layers"})

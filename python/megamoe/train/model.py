@@ -12,6 +12,7 @@ sharded over every rank. Mixed precision: fp32 master weights, bf16 compute
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import sys
@@ -212,6 +213,22 @@ def apply_dispatch(model, config: Config, device: torch.device, group=None, buff
         return "megamoe backend=reference"
     mode = f", backward_mode={dispatch.backward_mode}" if backend == "fused" else ""
     return f"megamoe backend={backend}, precision={dispatch.precision}{mode}"
+
+
+def sdpa_backend(name: str):
+    """A context in which PyTorch's scaled_dot_product_attention tries backend `name` first
+    (the others, in PyTorch's order, stay as fallbacks); 'auto' changes nothing. It must
+    cover the backward too: activation checkpointing recomputes the forward there."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "auto":
+        return contextlib.nullcontext()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    order.remove(first)
+    return sdpa_kernel([first, *order], set_priority=True)
 
 
 def apply_activation_checkpointing(model) -> None:

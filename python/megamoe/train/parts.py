@@ -109,7 +109,8 @@ def time_parts(config: Config, hf_config, device: torch.device, say=print, *,
     fwd, fwd_bwd = _forward_backward(
         lambda: attn(hidden_states=hidden, position_embeddings=rope, attention_mask=None)[0],
         [hidden], attn_params)
-    results["attention"] = _pair(fwd, fwd_bwd, device, iterations, warmup)
+    with model_mod.sdpa_backend(config.model.sdpa_backend):
+        results["attention"] = _pair(fwd, fwd_bwd, device, iterations, warmup)
 
     flat = hidden.detach().reshape(tokens, -1).requires_grad_()
     router = block.gate

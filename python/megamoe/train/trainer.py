@@ -366,9 +366,10 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             ce_sum = torch.zeros((), device=device)
             aux_sum = torch.zeros((), device=device)
             for input_ids, labels in setup.loader.next_step():
-                ce, aux = setup.trainer(input_ids, labels)
-                loss = (ce * inv_tokens + setup.aux_coef * aux) * inv_accum
-                loss.backward()
+                with model_mod.sdpa_backend(config.model.sdpa_backend):
+                    ce, aux = setup.trainer(input_ids, labels)
+                    loss = (ce * inv_tokens + setup.aux_coef * aux) * inv_accum
+                    loss.backward()
                 ce_sum += ce.detach()
                 aux_sum += aux.detach()
             opt_start = clock.mark()
