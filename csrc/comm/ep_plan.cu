@@ -7,7 +7,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
-#include "kernels/sm90/grouped_gemm.h"
+#include "kernels/sm90/gemm.h"
 
 namespace megamoe::ep {
 namespace {
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(1024)
       recv_tile_offsets[e] = tiles;
       const int32_t n = over_capacity ? 0 : totals[peers.rank * experts_per_rank + e];
       offset += n;
-      tiles += (n + sm90::kGroupedGemmBlockM - 1) / sm90::kGroupedGemmBlockM;
+      tiles += (n + sm90::kGemmBlockM - 1) / sm90::kGemmBlockM;
     }
     recv_expert_offsets[experts_per_rank] = offset;
     recv_tile_offsets[experts_per_rank] = tiles;
@@ -169,7 +169,7 @@ void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t 
   const comm::PeerTable& peers = c.g.peers;
   const int64_t E = c.g.num_experts, k = c.g.topk, T = c.T;
   const RoutingPlan& local = c.w.local.plan;
-  build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGroupedGemmBlockM, local,
+  build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGemmBlockM, local,
                      c.w.local.scratch, stream);
   const auto token_plan = [&](auto* ids) {
     if (T == 0) {  // no token goes anywhere

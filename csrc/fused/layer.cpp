@@ -8,7 +8,7 @@
 #include "kernels/common/gather_padded.h"
 #include "kernels/common/routing_plan.h"
 #include "kernels/common/slot_reduce.h"
-#include "kernels/sm90/grouped_gemm.h"
+#include "kernels/sm90/gemm.h"
 
 namespace megamoe::fused {
 namespace {
@@ -107,7 +107,7 @@ void forward(const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
                                     "megamoe_fused_workspace_size");
   if (T == 0) return;
   const RoutingPlan& plan = w.plan.plan;
-  build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGroupedGemmBlockM, plan,
+  build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGemmBlockM, plan,
                      w.plan.scratch, stream);
   // The forward reads no router weight: they are applied by the combine.
   chain::forward(rows_of(plan, T, k, E, x, nullptr, nullptr), {w_gate_up, w_down, H, I},
@@ -135,7 +135,7 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
     return;
   }
   const RoutingPlan& plan = w.plan.plan;
-  build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGroupedGemmBlockM, plan,
+  build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGemmBlockM, plan,
                      w.plan.scratch, stream);
   const chain::Rows rows = rows_of(plan, T, k, E, x, dy, topk_weights);
   const chain::Experts experts{w_gate_up, w_down, H, I};
