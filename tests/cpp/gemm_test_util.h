@@ -1,4 +1,4 @@
-// Shared pieces of the grouped GEMM tests (test_grouped_gemm*.cpp, test_k_grouped_gemm.cpp):
+// Shared pieces of the grouped GEMM tests (test_m_grouped_gemm*.cpp, test_k_grouped_gemm.cpp):
 // expert groups with every awkward case, bf16 operands in the layouts the GEMMs read, and
 // the error measure. The references are CPU products in double of the same bf16 inputs.
 #pragma once
