@@ -8,10 +8,19 @@ namespace {
 
 using sm90::RowLayout;
 
-// The rows as the M dimension of an M-grouped GEMM. `allocated` (at least the sorted rows)
-// sizes the GEMM's grid: the dgrad of L1, whose A is padded, passes the padded rows.
-sm90::ExpertGroups groups_of(const Rows& r, int64_t allocated) {
-  return {r.num_experts, r.plan.expert_offsets, r.plan.tile_offsets, allocated};
+// An M-grouped GEMM over the rows: A with k columns, the experts' weights b, and
+// C = c [rows, n] in row order.
+sm90::MGroupedGemmArgs over_rows(const Rows& r, const sm90::MGroupedA& a,
+                                 const __nv_bfloat16* b, int64_t k, int64_t n,
+                                 __nv_bfloat16* c) {
+  sm90::MGroupedGemmArgs g;
+  g.groups = {r.num_experts, r.plan.expert_offsets, r.plan.tile_offsets, r.rows};
+  g.a = a;
+  g.b = b;
+  g.k = k;
+  g.n = n;
+  g.c = {c, n, r.rows, RowLayout::kSorted};
+  return g;
 }
 
 // A gathered from a token matrix by the GEMM's producer (no permuted copy of the tokens is
@@ -32,23 +41,10 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t H, i
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
              __nv_bfloat16* saved_h, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
-  sm90::MGroupedGemmArgs l1;
-  l1.groups = groups_of(rows, rows.rows);
-  l1.a = gathered(rows, rows.x);
-  l1.b = w.w_gate_up;
-  l1.k = H;
-  l1.n = I;
-  l1.c = {b.activation, I, rows.rows, RowLayout::kSorted};
-  sm90::m_grouped_gemm_nt_swiglu(l1, saved_h, stream);
-
-  sm90::MGroupedGemmArgs l2;
-  l2.groups = groups_of(rows, rows.rows);
-  l2.a = {b.activation, rows.rows, RowLayout::kSorted, nullptr};
-  l2.b = w.w_down;
-  l2.k = I;
-  l2.n = H;
-  l2.c = {b.out, H, rows.rows, RowLayout::kSorted};
-  sm90::m_grouped_gemm_nt(l2, stream);
+  sm90::m_grouped_gemm_nt_swiglu(
+      over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, I, b.activation), saved_h, stream);
+  const sm90::MGroupedA activation{b.activation, rows.rows, RowLayout::kSorted, nullptr};
+  sm90::m_grouped_gemm_nt(over_rows(rows, activation, w.w_down, I, H, b.out), stream);
 }
 
 BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t num_experts,
@@ -70,38 +66,23 @@ void backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16* sav
   // h = [gate | up] of every row: saved by the forward, or recomputed (x rows gathered).
   const __nv_bfloat16* h = saved_h;
   if (h == nullptr) {
-    sm90::MGroupedGemmArgs l1;
-    l1.groups = groups_of(rows, rows.rows);
-    l1.a = gathered(rows, rows.x);
-    l1.b = w.w_gate_up;
-    l1.k = H;
-    l1.n = 2 * I;
-    l1.c = {b.h, 2 * I, rows.rows, RowLayout::kSorted};
-    sm90::m_grouped_gemm_nt(l1, stream);
+    sm90::m_grouped_gemm_nt(over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, 2 * I, b.h),
+                            stream);
     h = b.h;
   }
 
   // z = w_down^T dy (dy rows gathered, w_down read N-major) -> dh and a, padded since they
   // feed the weight gradients, and the dp partials.
-  sm90::MGroupedGemmArgs l2;
-  l2.groups = groups_of(rows, rows.rows);
-  l2.a = gathered(rows, rows.dy);
-  l2.b = w.w_down;
-  l2.k = H;
-  l2.n = I;
+  sm90::MGroupedGemmArgs l2 = over_rows(rows, gathered(rows, rows.dy), w.w_down, H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
   sm90::m_grouped_gemm_nn_swiglu_backward(
       l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
 
   if (!dx_rows) return;
   // dx rows = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H), in row order.
-  sm90::MGroupedGemmArgs l1_dgrad;
-  l1_dgrad.groups = groups_of(rows, b.padded_rows);
-  l1_dgrad.a = {b.dh, b.padded_rows, RowLayout::kPadded, nullptr};
-  l1_dgrad.b = w.w_gate_up;
-  l1_dgrad.k = 2 * I;
-  l1_dgrad.n = H;
-  l1_dgrad.c = {b.token_rows, H, rows.rows, RowLayout::kSorted};
+  const sm90::MGroupedA dh{b.dh, b.padded_rows, RowLayout::kPadded, nullptr};
+  sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H, b.token_rows);
+  l1_dgrad.groups.rows = b.padded_rows;  // A's padded rows, from which the grid is sized
   sm90::m_grouped_gemm_nn(l1_dgrad, stream);
 }
 
