@@ -11,7 +11,7 @@
 #   ab             a refactor's A/B against the library in build-base/ (BASE_LIB): outputs
 #                  compared bit for bit (tools/ab_outputs.py), then megamoe-bench of the fused
 #                  backend at both presets, 16384 tokens, both backward modes, base and new
-#                  in alternation, twice
+#                  in alternation, twice (AB_ARGS: extra megamoe-bench arguments)
 #   bench          the committed layer benchmarks (torch and fused, 16384 and 512 tokens;
 #                  EP=2 too with two GPUs)
 #   profile        per-kernel times of both presets (saved mode)
@@ -48,7 +48,7 @@ run() {  # run LOG COMMAND...: a step with its log kept, bounded by the stage ti
 }
 bench_ab() {  # bench_ab TAG LIB
   MEGAMOE_LIBRARY=$2 python3 -m megamoe.bench --backends fused --model qwen3-30b-a3b \
-    --model qwen3-235b-a22b --tokens 16384 --out-dir "$work/ab" --name "ab-$1" --no-plot
+    --model qwen3-235b-a22b --tokens 16384 --out-dir "$work/ab" --name "ab-$1" --no-plot ${AB_ARGS:-}
 }
 
 # Rows saved by an earlier call (carried in .train-rows/) join this call's: the determinism
