@@ -46,9 +46,11 @@ run() {  # run LOG COMMAND...: a step with its log kept, bounded by the stage ti
   tail -n 12 "$work/$log" >&2
   [ $rc -eq 0 ] || status=1
 }
-bench_ab() {  # bench_ab TAG LIB
-  MEGAMOE_LIBRARY=$2 python3 -m megamoe.bench --backends fused --model qwen3-30b-a3b \
-    --model qwen3-235b-a22b --tokens 16384 --out-dir "$work/ab" --name "ab-$1" --no-plot ${AB_ARGS:-}
+bench_ab() {  # bench_ab TAG LIB: the fused layer's benchmark with library LIB
+  # shellcheck disable=SC2086
+  run "ab-bench-$1.log" env MEGAMOE_LIBRARY="$2" python3 -m megamoe.bench --backends fused \
+    --model qwen3-30b-a3b --model qwen3-235b-a22b --tokens 16384 --out-dir "$work/ab" \
+    --name "ab-$1" --no-plot ${AB_ARGS:-}
 }
 
 # Rows saved by an earlier call (carried in .train-rows/) join this call's: the determinism
@@ -66,9 +68,12 @@ for stage in "$@"; do
       run ab-dump-new.log python3 tools/ab_outputs.py dump "$work/ab/new.pt"
       run ab-compare.log python3 tools/ab_outputs.py compare "$work/ab/base.pt" "$work/ab/new.pt"
       rm -f "$work"/ab/*.pt
+      # Repeats of one problem with NaN-filled free memory between them, both libraries.
+      run ab-repeat-new.log python3 tools/repeat_check.py
+      run ab-repeat-base.log env MEGAMOE_LIBRARY="$base_lib" python3 tools/repeat_check.py
       for round in 1 2; do
-        run "ab-bench-base-$round.log" bench_ab "base-$round" "$base_lib"
-        run "ab-bench-new-$round.log" bench_ab "new-$round" "$MEGAMOE_LIBRARY"
+        bench_ab "base-$round" "$base_lib"
+        bench_ab "new-$round" "$MEGAMOE_LIBRARY"
       done ;;
     bench)
       mkdir -p "$work/results"
