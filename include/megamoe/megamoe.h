@@ -131,6 +131,48 @@ MEGAMOE_API megamoe_status megamoe_routing_counts(const megamoe_tensor* topk_ids
                                                   void* cuda_stream);
 
 /* ---------------------------------------------------------------------------------------
+ * Blockwise FP8 quantization (CUDA, sm_90a): bf16 in, e4m3 values (FLOAT8_E4M3, e4m3fn:
+ * max 448, no infinities) and FLOAT32 scales out, with x ~= q * scale per block. Per block:
+ *   a = max(amax, 2^-100); scale = a / 448; q = e4m3(x * (448 / a))
+ * with both divisions in fp32 rounded to nearest even, and q rounded to nearest even,
+ * saturating to +-448. A block holding a NaN or an infinity is all NaN (every q = 0x7F,
+ * scale = NaN 0x7FC00000); an all-zero block gets scale 2^-100 / 448 and zeros. The bits
+ * are those of the reference quantizer python/megamoe/fp8.py (docs/fp8.md).
+ * Layouts: bf16 inputs and e4m3 outputs have unit stride in the last dimension, other
+ * strides multiples of 16 bytes, data 16-byte aligned; scales take any strides (e.g.
+ * [M, K/128] stored M-major, as a GEMM's TMA wants it). Outputs are overwritten, must not
+ * overlap the input or each other, and no element is written twice. Asynchronous on
+ * `cuda_stream`; no host sync; capturable in a CUDA graph; bitwise reproducible.
+ * ------------------------------------------------------------------------------------- */
+
+/* Activations and activation gradients: one block per row and 128 columns.
+ * x [M, K] BFLOAT16, K a positive multiple of 128 (M may be 0); q [M, K]; scales [M, K/128]
+ * with scales[m, j] for x[m, 128 j : 128 j + 128]. */
+MEGAMOE_API megamoe_status megamoe_quantize_fp8_1x128(const megamoe_tensor* x, megamoe_tensor* q,
+                                                      megamoe_tensor* scales, void* cuda_stream);
+
+/* Weights: one block per 128 x 128 tile, for all experts in one launch. w [E, N, K]
+ * BFLOAT16, N and K positive multiples of 128; q [E, N, K] and/or q_t [E, K, N] (W^T with
+ * the same blocks: q_t[e] = q[e]^T bit for bit; either may be NULL, not both); scales
+ * [E, N/128, K/128], the scale of tile (i, j) of W[e], which is tile (j, i) of W[e]^T. */
+MEGAMOE_API megamoe_status megamoe_quantize_fp8_128x128(const megamoe_tensor* w, megamoe_tensor* q,
+                                                        megamoe_tensor* q_t,
+                                                        megamoe_tensor* scales,
+                                                        void* cuda_stream);
+
+/* Weight-gradient operands: one block per column and 128 rows (tokens), written transposed
+ * so that the token dimension, which a weight-gradient GEMM contracts, is contiguous.
+ * x [R, C] BFLOAT16, C a positive multiple of 128; with Rp = R rounded up to a multiple of
+ * 128: q_t [C, Rp] (q_t[c, r] quantizes x[r, c]; columns R..Rp-1 are zeros, as if x were
+ * padded with zero rows) and scales [C, Rp/128] (scales[c, j] for x[128 j : 128 j + 128, c]).
+ * Blocks follow rows 128 j .. 128 j + 127 whatever they hold: a caller that needs blocks
+ * within one expert's rows lays them out padded to 128 per expert first. */
+MEGAMOE_API megamoe_status megamoe_quantize_fp8_cols_128(const megamoe_tensor* x,
+                                                         megamoe_tensor* q_t,
+                                                         megamoe_tensor* scales,
+                                                         void* cuda_stream);
+
+/* ---------------------------------------------------------------------------------------
  * Fused layer on one GPU (sm_90a): forward and backward.
  * Device tensors, contiguous: x [T, H] BFLOAT16; topk_ids [T, k] INT32/INT64 with ids in
  * [-1, E) (other ids are counted as invalid and contribute nothing: check them before the

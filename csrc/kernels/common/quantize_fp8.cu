@@ -1,0 +1,236 @@
+#include "kernels/common/quantize_fp8.h"
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/common/fp8_recipe.cuh"
+#include "kernels/common/kernel_preload.h"
+
+namespace megamoe {
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Thread (rg, cg) of a tile holds rows 8 rg .. 8 rg + 7 and columns 8 cg .. 8 cg + 7: eight
+// 16-byte loads, each half-warp reading 256 contiguous bytes of one row.
+constexpr int kColGroups = 16;
+constexpr int kRowsPerThread = 8;
+
+// out[j] = byte j of a0, a1, a2, a3 (a0's in the low byte): a 4 x 4 byte transpose.
+__device__ __forceinline__ void transpose4x4(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t (&out)[4]) {
+  const uint32_t t0 = __byte_perm(a0, a1, 0x5140), t1 = __byte_perm(a2, a3, 0x5140);
+  const uint32_t t2 = __byte_perm(a0, a1, 0x7362), t3 = __byte_perm(a2, a3, 0x7362);
+  out[0] = __byte_perm(t0, t1, 0x5410);
+  out[1] = __byte_perm(t0, t1, 0x7632);
+  out[2] = __byte_perm(t2, t3, 0x5410);
+  out[3] = __byte_perm(t2, t3, 0x7632);
+}
+
+__device__ __forceinline__ uint32_t abs_max_bits(const uint4& v) {
+  return max_halves(max_halves(v.x & kBf16AbsMask2, v.y & kBf16AbsMask2),
+                    max_halves(v.z & kBf16AbsMask2, v.w & kBf16AbsMask2));
+}
+
+// Bytes of the packed e4m3 word that belong to non-finite columns become NaN.
+__device__ __forceinline__ uint32_t mask_nan(uint32_t q, uint32_t nan_bytes) {
+  return (q & ~nan_bytes) | (kE4m3NanX4 & nan_bytes);
+}
+
+// One CTA per 128 x 128 tile of one matrix of the batch: read once, the scales of its
+// blocks, the e4m3 values written directly and/or transposed (through shared memory, as
+// 8 x 8 byte blocks transposed in registers; 8-byte chunks XOR-swizzled by column group so
+// that both the stores and the 16-byte reads are free of bank conflicts).
+template <Fp8Blocks kBlocks>
+__global__ void __launch_bounds__(kThreads, 3)
+    quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles) {
+  __shared__ alignas(16) uint8_t staged[kTile * kTile];
+  __shared__ uint32_t partial_max[kWarps][kColGroups * 4];
+  __shared__ float column_r[kTile];
+
+  const int64_t tile = blockIdx.x;
+  const int64_t b = tile / (row_tiles * col_tiles);
+  const int64_t ti = (tile / col_tiles) % row_tiles;
+  const int64_t tj = tile % col_tiles;
+  const int64_t row0 = ti * kTile, col0 = tj * kTile;
+  const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  uint4 v[kRowsPerThread];
+  const __nv_bfloat16* xb = a.x + b * a.x_batch + col0 + 8 * cg;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t row = row0 + kRowsPerThread * rg + i;
+    v[i] = row < a.rows ? __ldg(reinterpret_cast<const uint4*>(xb + row * a.x_row))
+                        : make_uint4(0, 0, 0, 0);  // padding rows count as zeros
+  }
+
+  uint32_t qlo[kRowsPerThread], qhi[kRowsPerThread];  // columns 0-3 and 4-7 of each row
+  float* scales = a.scales + b * a.s_batch;
+  if constexpr (kBlocks == Fp8Blocks::kRows1x128) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      uint32_t m = max_of_halves(abs_max_bits(v[i]));
+#pragma unroll
+      for (int off = 1; off < kColGroups; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
+      const Fp8BlockScale s = fp8_block_scale_bf16(m);
+      qlo[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r);
+      qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
+      const int64_t row = row0 + kRowsPerThread * rg + i;
+      if (cg == 0 && row < a.rows) scales[row * a.s_0 + tj * a.s_1] = s.scale;
+    }
+  } else if constexpr (kBlocks == Fp8Blocks::kTiles128) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) m = max_halves(m, abs_max_bits(v[i]));
+    m = max_of_halves(m);
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
+    if (lane == 0) partial_max[warp][0] = m;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = max(m, partial_max[w][0]);
+    const Fp8BlockScale s = fp8_block_scale_bf16(m);
+    if (threadIdx.x == 0) scales[ti * a.s_0 + tj * a.s_1] = s.scale;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      qlo[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r);
+      qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
+    }
+  } else {
+    // Per column: the packed maxima of this thread's 8 rows, then of the 16 row groups.
+    uint32_t c[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      c[0] = max_halves(c[0], v[i].x & kBf16AbsMask2);
+      c[1] = max_halves(c[1], v[i].y & kBf16AbsMask2);
+      c[2] = max_halves(c[2], v[i].z & kBf16AbsMask2);
+      c[3] = max_halves(c[3], v[i].w & kBf16AbsMask2);
+    }
+#pragma unroll
+    for (int w = 0; w < 4; ++w) c[w] = max_halves(c[w], __shfl_xor_sync(~0u, c[w], 16));
+    if (lane < kColGroups) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) partial_max[warp][4 * cg + w] = c[w];
+    }
+    __syncthreads();
+    if (threadIdx.x < kColGroups * 4) {  // two columns each: 2t and 2t + 1
+      uint32_t m = partial_max[0][threadIdx.x];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) m = max_halves(m, partial_max[w][threadIdx.x]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 2 * threadIdx.x + h;
+        const Fp8BlockScale s = fp8_block_scale_bf16(h ? m >> 16 : m & 0xFFFFu);
+        column_r[col] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
+        scales[(col0 + col) * a.s_0 + ti * a.s_1] = s.scale;
+      }
+    }
+    __syncthreads();
+    float r[8];
+    uint32_t nan_lo = 0, nan_hi = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      r[j] = column_r[8 * cg + j];
+      const uint32_t byte = isnan(r[j]) ? 0xFFu << (8 * (j % 4)) : 0u;
+      (j < 4 ? nan_lo : nan_hi) |= byte;
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      qlo[i] = mask_nan(fp8_quad(v[i].x, v[i].y, r[0], r[1], r[2], r[3]), nan_lo);
+      qhi[i] = mask_nan(fp8_quad(v[i].z, v[i].w, r[4], r[5], r[6], r[7]), nan_hi);
+    }
+  }
+
+  if (kBlocks != Fp8Blocks::kColumns128 && a.q != nullptr) {
+    uint8_t* qb = a.q + b * a.q_batch + col0 + 8 * cg;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = row0 + kRowsPerThread * rg + i;
+      if (row < a.rows) *reinterpret_cast<uint2*>(qb + row * a.q_row) = make_uint2(qlo[i], qhi[i]);
+    }
+  }
+
+  if (kBlocks != Fp8Blocks::kRows1x128 && a.q_t != nullptr) {
+    // Column j of this thread's block: rows 0-3 in .x, rows 4-7 in .y.
+    uint32_t c03_r03[4], c03_r47[4], c47_r03[4], c47_r47[4];
+    transpose4x4(qlo[0], qlo[1], qlo[2], qlo[3], c03_r03);
+    transpose4x4(qlo[4], qlo[5], qlo[6], qlo[7], c03_r47);
+    transpose4x4(qhi[0], qhi[1], qhi[2], qhi[3], c47_r03);
+    transpose4x4(qhi[4], qhi[5], qhi[6], qhi[7], c47_r47);
+    // Staged row c (a column of the tile) holds 16 chunks of 8 rows; chunk rg sits at rg ^ cg.
+    uint8_t* chunk = staged + 8 * cg * kTile + 8 * (rg ^ cg);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<uint2*>(chunk + j * kTile) = make_uint2(c03_r03[j], c03_r47[j]);
+      *reinterpret_cast<uint2*>(chunk + (j + 4) * kTile) = make_uint2(c47_r03[j], c47_r47[j]);
+    }
+    __syncthreads();
+    uint8_t* tb = a.q_t + b * a.t_batch + col0 * a.t_row + row0;
+#pragma unroll
+    for (int k = 0; k < kTile * kTile / 16 / kThreads; ++k) {
+      const int idx = threadIdx.x + k * kThreads;
+      const int c = idx / 8, m = idx % 8, key = c / 8;
+      uint4 val = *reinterpret_cast<const uint4*>(staged + c * kTile + 16 * (m ^ (key >> 1)));
+      if (key & 1) val = make_uint4(val.z, val.w, val.x, val.y);
+      *reinterpret_cast<uint4*>(tb + c * a.t_row + 16 * m) = val;
+    }
+  }
+}
+
+[[maybe_unused]] const bool kPreloadable =
+    register_kernel_module(&quantize_fp8_kernel<Fp8Blocks::kRows1x128>);
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void check_args(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
+  const char* fn = "quantize_fp8";
+  auto fail = [&](const std::string& what) { throw_invalid(std::string(fn) + ": " + what); };
+  if (a.cols <= 0 || a.cols % kTile) fail("cols must be a positive multiple of 128");
+  if (a.rows < 0 || a.batches < 0) fail("negative rows or batches");
+  if (blocks == Fp8Blocks::kTiles128 && a.rows % kTile) fail("rows must be a multiple of 128");
+  const bool direct = a.q != nullptr, transposed = a.q_t != nullptr;
+  if (blocks == Fp8Blocks::kRows1x128 && (!direct || transposed)) fail("needs q and no q_t");
+  if (blocks == Fp8Blocks::kColumns128 && (direct || !transposed)) fail("needs q_t and no q");
+  if (blocks == Fp8Blocks::kTiles128 && !direct && !transposed) fail("needs q or q_t");
+  if (!a.x || !a.scales) fail("null pointer");
+  if (!aligned16(a.x) || (direct && !aligned16(a.q)) || (transposed && !aligned16(a.q_t))) {
+    fail("x, q and q_t must be 16-byte aligned");
+  }
+  if (a.x_row % 8 || a.x_batch % 8 || (direct && (a.q_row % 16 || a.q_batch % 16)) ||
+      (transposed && (a.t_row % 16 || a.t_batch % 16))) {
+    fail("row and batch strides must be multiples of 16 bytes");
+  }
+}
+
+}  // namespace
+
+void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t stream) {
+  check_args(blocks, a);
+  if (a.batches == 0 || a.rows == 0) return;
+  const int64_t row_tiles = (a.rows + kTile - 1) / kTile, col_tiles = a.cols / kTile;
+  const int64_t tiles = a.batches * row_tiles * col_tiles;
+  if (tiles > INT_MAX) {
+    throw_invalid("quantize_fp8: " + std::to_string(tiles) + " tiles of 128 x 128, more than "
+                  "one launch can hold");
+  }
+  const auto grid = static_cast<unsigned>(tiles);
+  switch (blocks) {
+    case Fp8Blocks::kRows1x128:
+      quantize_fp8_kernel<Fp8Blocks::kRows1x128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+      break;
+    case Fp8Blocks::kTiles128:
+      quantize_fp8_kernel<Fp8Blocks::kTiles128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+      break;
+    case Fp8Blocks::kColumns128:
+      quantize_fp8_kernel<Fp8Blocks::kColumns128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+      break;
+  }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace megamoe

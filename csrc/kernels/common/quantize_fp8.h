@@ -1,0 +1,46 @@
+// Blockwise FP8 quantizers (the recipe of fp8_recipe.cuh) over bf16 matrices: one read of
+// the bf16 values, one write of the e4m3 values and the fp32 scales. Internal; asynchronous
+// on `stream`, no host sync, capturable; the outputs depend only on the inputs (bitwise
+// reproducible). The C ABI entries (quantize_fp8_entry.cpp) validate the descriptors.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace megamoe {
+
+// Which elements share a scale.
+enum class Fp8Blocks {
+  kRows1x128,    // one row x 128 columns (activations, activation gradients)
+  kTiles128,     // 128 x 128 (weights)
+  kColumns128,   // 128 rows x one column, written transposed (weight-gradient operands)
+};
+
+// A batch of `batches` bf16 matrices [rows, cols] and where their quantized copies go.
+// Strides are in elements (bytes for the e4m3 outputs); the innermost stride is 1.
+// cols must be a positive multiple of 128, and rows as well for kTiles128. Every pointer is
+// 16-byte aligned, and every row and batch stride of x, q and q_t a multiple of 16 bytes.
+struct Fp8QuantizeArgs {
+  const __nv_bfloat16* x = nullptr;
+  int64_t x_batch = 0, x_row = 0;
+  int64_t batches = 1, rows = 0, cols = 0;
+  // Direct copy [b][rows][cols] (kRows1x128, kTiles128; null for kColumns128, optional
+  // for kTiles128).
+  uint8_t* q = nullptr;
+  int64_t q_batch = 0, q_row = 0;
+  // Transposed copy [b][cols][padded_rows] with padded_rows = rows rounded up to 128, pad
+  // columns written as zeros (kColumns128; optional for kTiles128, null for kRows1x128).
+  uint8_t* q_t = nullptr;
+  int64_t t_batch = 0, t_row = 0;
+  // Scale of block (b, i, j) at scales[b * s_batch + i * s_0 + j * s_1], with (i, j) =
+  // (row, column block) for kRows1x128, (row block, column block) for kTiles128, and
+  // (column, row block) for kColumns128. Any strides.
+  float* scales = nullptr;
+  int64_t s_batch = 0, s_0 = 0, s_1 = 0;
+};
+
+void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& args, cudaStream_t stream);
+
+}  // namespace megamoe
