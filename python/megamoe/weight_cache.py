@@ -83,7 +83,6 @@ def _version(weight: torch.Tensor) -> Optional[int]:
 class _Entry:
     ref: weakref.ref
     version: int
-    generation: int
     layout: tuple
     copy: QuantizedWeight
 
@@ -101,7 +100,6 @@ class Fp8WeightCache:
                  invalidate_on_optimizer_step: bool = True):
         self._quantize = quantize or default_quantizer
         self._entries: dict[int, _Entry] = {}
-        self._generation = 0
         self.hits = 0
         self.misses = 0
         self._hook = None
@@ -130,8 +128,7 @@ class Fp8WeightCache:
         version = _version(weight)
         entry = self._entries.get(key)
         if (entry is not None and entry.ref() is weight and version is not None
-                and entry.version == version and entry.generation == self._generation
-                and entry.layout == _layout(weight)):
+                and entry.version == version and entry.layout == _layout(weight)):
             self.hits += 1
             if transposed and entry.copy.values_t is None:
                 entry.copy = entry.copy._replace(values_t=_transposed(entry.copy.values))
@@ -139,8 +136,7 @@ class Fp8WeightCache:
         self.misses += 1
         copy = self._quantize(weight, transposed)
         if version is not None:
-            self._entries[key] = _Entry(self._dropper(key, weight), version, self._generation,
-                                        _layout(weight), copy)
+            self._entries[key] = _Entry(self._dropper(key, weight), version, _layout(weight), copy)
         return copy
 
     def _dropper(self, key: int, weight: torch.Tensor) -> weakref.ref:
@@ -157,7 +153,6 @@ class Fp8WeightCache:
         """Drops the copy of `weight`, or every copy when None."""
         if weight is None:
             self._entries.clear()
-            self._generation += 1
         else:
             entry = self._entries.get(id(weight))
             if entry is not None and entry.ref() is weight:
