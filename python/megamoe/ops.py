@@ -31,6 +31,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         buffer: backend="fused" with a group of more than one rank: the group's
             megamoe.Buffer.
         precision: "bf16" | "fp8" | "fp8_bwd" | "mxfp8" (matrix precision of fused/torch).
+            backend="torch" runs "bf16" and "fp8" (TorchTitan's FP8: torch_fp8.py, sm_90 GPUs).
         backend: "fused" | "torch" (TorchTitan-style baseline) | "reference".
         check_ids: check that ids lie in [-1, E_total) (one host sync). Default: checked,
             except while torch.compile traces or a CUDA graph is captured.
@@ -62,7 +63,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if _validate.should_check_ids(check_ids):
         _validate.check_ids_range(topk_ids, problem.num_experts)
     if backend == "torch":
-        return torch_backend.moe(x, topk_ids, topk_weights, w_gate_up, w_down, group)
+        return torch_backend.moe(x, topk_ids, topk_weights, w_gate_up, w_down, group, precision)
     if backend == "reference":
         return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
     if backend == "fused" and buffer is not None:

@@ -8,6 +8,7 @@ ranks that own their experts and back. Autograd differentiates the whole graph.
 
 This is the yardstick of every speedup megamoe claims, so it is the good version of the
 baseline: one gather, two grouped GEMMs over all experts at once, a vectorised combine.
+precision="fp8" runs the expert GEMMs as TorchTitan's FP8 does (torch_fp8.py).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import torch_fp8
 from .errors import MegaMoEError
 
 
-def _grouped_experts(rows, counts, w_gate_up, w_down):
+def _grouped_experts(rows, counts, w_gate_up, w_down, precision="bf16"):
     """L1, SwiGLU, L2 over rows sorted by local expert; counts [E_local] int64."""
+    if precision == "fp8":
+        return torch_fp8.grouped_experts(rows, counts, w_gate_up, w_down)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     h = torch._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offsets)
     gate, up = h.chunk(2, dim=-1)
@@ -39,7 +43,9 @@ def _count_by_expert(experts, num_experts):
     return counts.scatter_add_(0, experts, torch.ones_like(experts))
 
 
-def moe(x, topk_ids, topk_weights, w_gate_up, w_down, group=None):
+def moe(x, topk_ids, topk_weights, w_gate_up, w_down, group=None, precision="bf16"):
+    if precision == "fp8":
+        torch_fp8.check_supported(x, w_gate_up)
     T, H = x.shape
     k = topk_ids.shape[1]
     E_local = w_gate_up.shape[0]
@@ -57,9 +63,9 @@ def moe(x, topk_ids, topk_weights, w_gate_up, w_down, group=None):
     counts = _count_by_expert(experts, E)
     rows = x[order // k]
     if world == 1:
-        out = _grouped_experts(rows, counts, w_gate_up, w_down)
+        out = _grouped_experts(rows, counts, w_gate_up, w_down, precision)
     else:
-        out = _expert_parallel(rows, counts, w_gate_up, w_down, group, world, E_local)
+        out = _expert_parallel(rows, counts, w_gate_up, w_down, group, world, E_local, precision)
 
     slot_out = out[_inverse(order)]
     y = (slot_out.view(T, k, H).float() * weights.float().unsqueeze(-1)).sum(dim=1)
@@ -84,7 +90,7 @@ def _check_same_layout(group, world, E_local, H, I, device):
     _checked_groups.add(key)
 
 
-def _expert_parallel(rows, counts, w_gate_up, w_down, group, world, E_local):
+def _expert_parallel(rows, counts, w_gate_up, w_down, group, world, E_local, precision):
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -105,6 +111,7 @@ def _expert_parallel(rows, counts, w_gate_up, w_down, group, world, E_local):
     row_key = torch.repeat_interleave(expert_major_key.reshape(-1), recv_counts.reshape(-1),
                                       output_size=sum(output_splits))
     by_expert = torch.argsort(row_key, stable=True)
-    out = _grouped_experts(received[by_expert], recv_counts.sum(dim=0), w_gate_up, w_down)
+    out = _grouped_experts(received[by_expert], recv_counts.sum(dim=0), w_gate_up, w_down,
+                           precision)
     back = out[_inverse(by_expert)]
     return all_to_all_single_autograd(back, input_splits, output_splits, group)

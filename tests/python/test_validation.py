@@ -60,8 +60,19 @@ def test_backend_and_precision_names():
         megamoe.moe(**_args(), precision="fp4", backend="torch")
     with pytest.raises(MegaMoEError, match="mxfp8.*Blackwell"):
         megamoe.moe(**_args(), precision="mxfp8", backend="torch")
-    with pytest.raises(NotBuiltError, match="fp8"):
-        megamoe.moe(**_args(), precision="fp8", backend="torch")
+    for precision in ("fp8", "fp8_bwd"):
+        with pytest.raises(NotBuiltError, match=f"precision='{precision}' is not built yet for backend='fused'"):
+            megamoe.moe(**_args(), precision=precision, backend="fused")
+    with pytest.raises(NotBuiltError, match="precision='fp8_bwd' is not built yet for backend='torch'"):
+        megamoe.moe(**_args(), precision="fp8_bwd", backend="torch")
+
+
+def test_torch_fp8_needs_a_hopper_gpu():
+    p = make_problem(6, 16, 16, 4, 2, dtype=torch.bfloat16, seed=1)
+    args = {n: p[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")}
+    with pytest.raises(MegaMoEError, match=r"precision='fp8' with backend='torch' runs "
+                                           r"torch._scaled_grouped_mm, which needs a CUDA GPU.*got x on cpu"):
+        megamoe.moe(**args, precision="fp8", backend="torch")
 
 
 def test_torch_backend_on_cpu_takes_no_float64():
