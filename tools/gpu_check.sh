@@ -7,8 +7,8 @@
 #   MEGAMOE_BENCH_ARGS="--tokens 16384" bash tools/gpu_check.sh OUT_DIR
 #
 # Writes to OUT_DIR: gpu.txt, ctest.log (+ gtest.xml), pytest.log, ep_check.json (2+ GPUs),
-# sass.txt/sass.log, sanitizer-*.log, bench-short.json and the benchmark log. Exits
-# non-zero if any step failed.
+# sass.txt/sass.log, sanitizer-*.log, fp8-quantize.log, bench-short.json and the benchmark
+# log. Exits non-zero if any step failed.
 set -uo pipefail
 out=${1:?usage: tools/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -61,6 +61,16 @@ if command -v compute-sanitizer >/dev/null; then
       tests/python/test_fused_backward.py -k "extra0 or extra1 or extra5"
   done
 fi
+# Memory errors and races of the FP8 quantizers (their shared-memory transpose included), and
+# their speed against memory bandwidth beside the torch fp8 baseline's compiled casts.
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool (fp8)" "sanitizer-fp8-$tool.log" timeout 300 compute-sanitizer \
+      --tool "$tool" --error-exitcode 1 python3 -m pytest -q -x tests/python/test_fp8_kernels.py \
+      -k "not graph and not 4097 and not 1536"
+  done
+fi
+step "fp8 quantizer speed" fp8-quantize.log python3 tools/bench_fp8_quantize.py --torch-casts
 # shellcheck disable=SC2086
 step "short benchmark" bench-short.log python3 -m megamoe.bench --backends torch,fused \
   --tokens 4096 --iters 10 --warmup 3 --out-dir "$out" --name bench-short --no-plot ${MEGAMOE_BENCH_ARGS:-}
