@@ -86,8 +86,7 @@ def main() -> int:
         if args.torch_casts:
             counts = torch.full((E,), rows // E, device="cuda")
             counts[0] += rows - int(counts.sum())
-            _, _, _, group, _ = torch_fp8._padded_layout(counts, rows)
-            cap = group.numel()
+            _, _, group, cap = torch_fp8._padded_layout(counts, rows)
             xp = torch.randn(cap, H, device="cuda").to(torch.bfloat16)
             cases += [
                 ("torch fp8: rowwise x rows", list(xp.shape), lambda: torch_fp8._rowwise(xp),

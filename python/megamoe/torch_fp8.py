@@ -14,9 +14,9 @@ rounded down to powers of two (scale = 2^floor(log2(448 / amax))) and the fast-a
 GEMMs, as torchao does. Its cast functions are compiled with torch.compile: eager casts cost
 several times the GEMMs. Each expert's rows are padded to a multiple of 16 (an expert
 without rows gets 16 zero rows): `_scaled_grouped_mm` needs 16-byte aligned groups along
-the contracted dimension and no empty group in the wgrad. The padded layout is gathered
-from the expert-sorted rows by an index into them plus one zero row, as TorchTitan does;
-its capacity is static (rows + 16 E, rounded to 16), so there is no host sync.
+the contracted dimension and no empty group in the wgrad. Its capacity is static (rows +
+16 E, rounded to 16), so there is no host sync; output rows past the last group are never
+written by the GEMMs and never read.
 
 This is not megamoe's own FP8 recipe (megamoe.fp8: 1x128 / 128x128 blocks, exact scales).
 """
@@ -71,7 +71,7 @@ def _rowwise_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (q [..., K] e4m3 contiguous, dequantization scales [...] fp32)."""
     values = x.float()
     m = _pow2_multiplier(values.abs().amax(dim=-1, keepdim=True))
-    return _cast(values, m).contiguous(), (1.0 / m).squeeze(-1)
+    return _cast(values, m).contiguous(), (1.0 / m).squeeze(-1).contiguous()
 
 
 def _colwise_by_group_eager(x: torch.Tensor, group: torch.Tensor, groups: int):
@@ -84,7 +84,7 @@ def _colwise_by_group_eager(x: torch.Tensor, group: torch.Tensor, groups: int):
         0, index, values.abs(), "amax", include_self=True)
     m = _pow2_multiplier(amax)
     q = _cast(values, m[group])
-    return q.t().contiguous(), (1.0 / m[:groups]).reshape(-1)
+    return q.t().contiguous(), (1.0 / m[:groups]).reshape(-1).contiguous()
 
 
 _rowwise = torch.compile(_rowwise_eager)
@@ -123,9 +123,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 def _padded_layout(counts: torch.Tensor, rows: int):
     """Where the expert-sorted rows go in the padded layout, with static shapes.
 
-    Returns (offs [E] int32 group ends, position [rows] of each sorted row, gather [cap]
-    indices into rows + one zero row (index `rows`), group [cap] of each padded row (E past
-    the last group), cap)."""
+    Returns (offs [E] int32 group ends, position [rows] of each sorted row, group [cap] of
+    each padded row (E past the last group), cap)."""
     E = counts.numel()
     device = counts.device
     padded = torch.clamp_min((counts + ALIGN - 1) // ALIGN * ALIGN, ALIGN)
@@ -136,20 +135,23 @@ def _padded_layout(counts: torch.Tensor, rows: int):
     first = torch.cumsum(counts, 0) - counts
     index = torch.arange(rows, device=device)
     position = (ends - padded)[expert_of_row] + index - first[expert_of_row]
-    gather = torch.full((cap,), rows, dtype=torch.int64, device=device)
-    gather = gather.index_put((position,), index)
     group = torch.searchsorted(ends, torch.arange(cap, device=device), right=True)
-    return ends.to(torch.int32), position, gather, group, cap
+    return ends.to(torch.int32), position, group, cap
+
+
+def _pad(rows: torch.Tensor, position: torch.Tensor, cap: int) -> torch.Tensor:
+    """rows scattered into `cap` zero rows. A scatter, not a gather from rows plus a zero
+    row: its backward is a plain gather, where the gather's would add every pad row's
+    gradient into the one zero row."""
+    return rows.new_zeros(cap, rows.shape[1]).index_put((position,), rows)
 
 
 def grouped_experts(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor) -> torch.Tensor:
     """L1, SwiGLU, L2 in FP8 over rows [R, H] sorted by local expert (counts [E] int64,
     summing to R); returns [R, H] bf16, as torch_backend._grouped_experts does in bf16."""
-    R, H = rows.shape
-    offs, position, gather, group, _ = _padded_layout(counts, R)
-    padded = torch.cat([rows, rows.new_zeros(1, H)])[gather]
-    h = _Fp8GroupedLinear.apply(padded, w_gate_up, offs, group)
+    offs, position, group, cap = _padded_layout(counts, rows.shape[0])
+    h = _Fp8GroupedLinear.apply(_pad(rows, position, cap), w_gate_up, offs, group)
     gate, up = h.chunk(2, dim=-1)
     out = _Fp8GroupedLinear.apply(F.silu(gate) * up, w_down, offs, group)
     return out[position]

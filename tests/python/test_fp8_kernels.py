@@ -234,3 +234,20 @@ def test_bad_arguments_are_named():
     scales_inside_q = q.view(torch.uint8)[:, :4].view(torch.float32)  # [4, 1], aliasing q
     with pytest.raises(megamoe.LibraryError, match="overlaps"):
         kernels.quantize_1x128(x, q, scales_inside_q)
+
+
+def test_weight_cache_uses_the_kernel_on_cuda():
+    from megamoe.weight_cache import Fp8WeightCache
+    cache = Fp8WeightCache()
+    w = torch.nn.Parameter(_random((4, 256, 384), 21))
+    copy = cache.get(w, transposed=True)
+    ref_q, ref_s = fp8.quantize_128x128(w.detach().cpu())
+    _assert_same("cache values", copy.values, copy.scales, ref_q, ref_s)
+    _assert_same("cache W^T values", copy.values_t, copy.scales, ref_q.transpose(-2, -1), ref_s)
+    assert cache.get(w, transposed=True) is copy
+    with torch.no_grad():
+        w.neg_()
+    again = cache.get(w)
+    assert again is not copy
+    _assert_same("cache after an update", again.values, again.scales,
+                 *fp8.quantize_128x128(w.detach().cpu()))

@@ -29,7 +29,7 @@ FP8_FEW_SLOTS_DP_TOL = 0.3
 def test_padded_layout_groups_of_16_and_empty_experts():
     counts = torch.tensor([5, 0, 17, 3, 16, 0])
     R = int(counts.sum())
-    offs, position, gather, group, cap = torch_fp8._padded_layout(counts, R)
+    offs, position, group, cap = torch_fp8._padded_layout(counts, R)
     padded = torch.tensor([16, 16, 32, 16, 16, 16])
     assert offs.dtype == torch.int32 and offs.tolist() == torch.cumsum(padded, 0).tolist()
     assert cap % 16 == 0 and cap >= offs[-1].item() and cap == 16 * -(-(R + 16 * 6) // 16)
@@ -37,10 +37,12 @@ def test_padded_layout_groups_of_16_and_empty_experts():
     first = (torch.cumsum(counts, 0) - counts).tolist()
     for e, c in enumerate(counts.tolist()):  # rows of expert e, in order, at its group's start
         assert position[first[e]:first[e] + c].tolist() == list(range(starts[e], starts[e] + c))
-    assert torch.equal(gather[position], torch.arange(R))
+    rows = torch.arange(1, R + 1, dtype=torch.float32)[:, None].repeat(1, 16)
+    padded = torch_fp8._pad(rows, position, cap)
+    assert torch.equal(padded[position], rows)
     pad = torch.ones(cap, dtype=torch.bool)
     pad[position] = False
-    assert torch.all(gather[pad] == R)  # every other row reads the zero row
+    assert torch.all(padded[pad] == 0)  # every other row is zeros
     expected_group = torch.searchsorted(offs.long(), torch.arange(cap), right=True)
     assert torch.equal(group, expected_group) and group.max().item() == 6
 
@@ -66,11 +68,11 @@ def test_rowwise_cast_power_of_two_scales():
 def test_colwise_cast_scales_per_expert_and_column():
     counts = torch.tensor([20, 0, 7])
     R = int(counts.sum())
-    _, _, gather, group, cap = torch_fp8._padded_layout(counts, R)
+    _, position, group, cap = torch_fp8._padded_layout(counts, R)
     g = torch.Generator().manual_seed(4)
     rows = torch.randn(R, 128, generator=g).to(torch.bfloat16)
     rows[:20] *= 1000  # expert 0's columns are far larger than expert 2's
-    padded = torch.cat([rows, rows.new_zeros(1, 128)])[gather]
+    padded = torch_fp8._pad(rows, position, cap)
     padded[group == 3] = float("nan")  # rows past the last group must not matter
     q_t, s = torch_fp8._colwise_by_group_eager(padded, group, 3)
     assert q_t.shape == (128, cap) and q_t.is_contiguous() and s.shape == (3 * 128,)
@@ -212,9 +214,9 @@ def test_gpu_each_gemm_matches_its_dequantized_operands():
     g = torch.Generator(device="cuda").manual_seed(31)
     counts = torch.tensor([300, 0, 517, 16, 1], device="cuda")
     E, R, K, N = counts.numel(), int(counts.sum()), 512, 768
-    offs, _, gather, group, cap = torch_fp8._padded_layout(counts, R)
+    offs, position, group, cap = torch_fp8._padded_layout(counts, R)
     rows = torch.randn(R, K, device="cuda", generator=g).to(torch.bfloat16)
-    a = torch.cat([rows, rows.new_zeros(1, K)])[gather].requires_grad_(True)
+    a = torch_fp8._pad(rows, position, cap).requires_grad_(True)
     w = (torch.randn(E, N, K, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16).requires_grad_(True)
     out = torch_fp8._Fp8GroupedLinear.apply(a, w, offs, group)
     live = torch.arange(cap, device="cuda") < offs[-1]
@@ -254,8 +256,8 @@ def test_gpu_compiled_casts_equal_eager_ones():
         assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
         assert qb.is_contiguous()
     counts = torch.tensor([300, 0, 500, 200], device="cuda")
-    _, _, gather, group, _ = torch_fp8._padded_layout(counts, 1000)
-    padded = torch.cat([x, x.new_zeros(1, 768)])[gather]
+    _, position, group, cap = torch_fp8._padded_layout(counts, 1000)
+    padded = torch_fp8._pad(x, position, cap)
     (qa, sa), (qb, sb) = (torch_fp8._colwise_by_group_eager(padded, group, 4),
                           torch_fp8._colwise_by_group(padded, group, 4))
     assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
