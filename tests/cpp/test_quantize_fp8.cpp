@@ -3,6 +3,7 @@
 // the kernels are tested against the reference quantizer in tests/python/test_fp8_kernels.py).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 
 #include "megamoe/megamoe.h"
@@ -40,51 +41,30 @@ TEST(QuantizeFp8Errors, Rows1x128DescriptorsNamed) {
     expect_rejected(megamoe_quantize_fp8_1x128(&c.xd, &c.qd, nullptr, nullptr),
                     "scales: tensor descriptor is NULL");
   }
-  {
+  struct Case {
+    std::function<void(Rows1x128&)> spoil;
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](Rows1x128& c) { c.xd.dtype = MEGAMOE_DTYPE_FLOAT32; }, "x: expected dtype bfloat16"},
+      {[](Rows1x128& c) { c.xd.shape[1] = 100; },
+       "x: K (the last dimension) must be a positive multiple of 128"},
+      {[](Rows1x128& c) { c.xd.strides[1] = 2, c.xd.strides[0] = 512; },
+       "x: expected unit stride in the last dimension"},
+      {[](Rows1x128& c) { c.xd.strides[0] = 260; },  // 520 bytes: rows not 16-byte aligned
+       "multiples of 16 bytes"},
+      {[](Rows1x128& c) { c.qd.shape[0] = 5; },
+       "q: expected shape [M=4, K=256] (from x [4, 256]), got [5, 256]"},
+      {[](Rows1x128& c) { c.qd.dtype = MEGAMOE_DTYPE_BFLOAT16; }, "q: expected dtype float8_e4m3"},
+      {[](Rows1x128& c) { c.sd.shape[1] = 1; }, "scales: expected shape [M=4, K/128=2]"},
+      {[](Rows1x128& c) { c.qd.strides[0] = 0; },  // every row on the same bytes
+       "q: strides [0, 1] for shape [4, 256] make elements overlap"},
+      {[](Rows1x128& c) { c.sd.data = c.qd.data; }, "overlaps"},  // scales inside q
+  };
+  for (const Case& k : cases) {
     Rows1x128 c;
-    c.xd.dtype = MEGAMOE_DTYPE_FLOAT32;
-    expect_rejected(c.call(), "x: expected dtype bfloat16");
-  }
-  {
-    Rows1x128 c;
-    c.xd.shape[1] = 100;
-    expect_rejected(c.call(), "x: K (the last dimension) must be a positive multiple of 128");
-  }
-  {
-    Rows1x128 c;
-    c.xd.strides[1] = 2;
-    c.xd.strides[0] = 512;
-    expect_rejected(c.call(), "x: expected unit stride in the last dimension");
-  }
-  {
-    Rows1x128 c;
-    c.xd.strides[0] = 260;  // 520 bytes: rows not 16-byte aligned
-    expect_rejected(c.call(), "multiples of 16 bytes");
-  }
-  {
-    Rows1x128 c;
-    c.qd.shape[0] = 5;
-    expect_rejected(c.call(), "q: expected shape [M=4, K=256] (from x [4, 256]), got [5, 256]");
-  }
-  {
-    Rows1x128 c;
-    c.qd.dtype = MEGAMOE_DTYPE_BFLOAT16;
-    expect_rejected(c.call(), "q: expected dtype float8_e4m3");
-  }
-  {
-    Rows1x128 c;
-    c.sd.shape[1] = 1;
-    expect_rejected(c.call(), "scales: expected shape [M=4, K/128=2]");
-  }
-  {
-    Rows1x128 c;
-    c.qd.strides[0] = 0;  // every row on the same bytes
-    expect_rejected(c.call(), "q: strides [0, 1] for shape [4, 256] make elements overlap");
-  }
-  {
-    Rows1x128 c;
-    c.sd.data = c.qd.data;  // scales inside q
-    expect_rejected(c.call(), "overlaps");
+    k.spoil(c);
+    expect_rejected(c.call(), k.message);
   }
 }
 

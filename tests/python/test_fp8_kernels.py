@@ -24,19 +24,17 @@ def _scale_bits(s):
     return s.detach().cpu().contiguous().view(torch.int32)
 
 
+def _assert_bits_equal(what, got, expected):
+    assert got.shape == expected.shape, (what, got.shape, expected.shape)
+    if not torch.equal(got, expected):
+        idx = tuple((got != expected).nonzero()[0].tolist())
+        raise AssertionError(f"{what} differ at {list(idx)}: got {hex(got[idx])}, expected "
+                             f"{hex(expected[idx])}; {(got != expected).sum().item()} differ")
+
+
 def _assert_same(what, q, s, q_ref, s_ref):
-    qa, qb = _bits(q), _bits(q_ref)
-    assert qa.shape == qb.shape, (what, qa.shape, qb.shape)
-    if not torch.equal(qa, qb):
-        idx = (qa != qb).nonzero()[0].tolist()
-        raise AssertionError(f"{what}: values differ at {idx}: got {hex(qa[tuple(idx)])}, "
-                             f"expected {hex(qb[tuple(idx)])}; {(qa != qb).sum().item()} differ")
-    sa, sb = _scale_bits(s), _scale_bits(s_ref)
-    assert sa.shape == sb.shape, (what, sa.shape, sb.shape)
-    if not torch.equal(sa, sb):
-        idx = (sa != sb).nonzero()[0].tolist()
-        raise AssertionError(f"{what}: scales differ at {idx}: got {hex(sa[tuple(idx)])}, "
-                             f"expected {hex(sb[tuple(idx)])}")
+    _assert_bits_equal(f"{what}: values", _bits(q), _bits(q_ref))
+    _assert_bits_equal(f"{what}: scales", _scale_bits(s), _scale_bits(s_ref))
 
 
 def _random(shape, seed, *, device="cuda"):

@@ -17,13 +17,19 @@ NAMES = ("x", "topk_weights", "w_gate_up", "w_down")
 ARGS = ("x", "topk_ids", "topk_weights", "w_gate_up", "w_down")
 # Against the float64 layer of the unquantized inputs. e4m3 (3 mantissa bits) puts ~2.6%
 # relative error on each quantized operand, ~3.7% on each GEMM's output, and the layer chains
-# two GEMMs through SwiGLU: y and every gradient come out at 6.1-7.0% (measured with the
-# emulated GEMMs below on make_problem's data; megamoe's own blockwise recipe gives 6.4% on y
-# there, so this is e4m3's floor, not the scaling). A NaN, or more than 1e-1, fails.
-FP8_TOL = 1e-1
+# two GEMMs through SwiGLU: y and every gradient come out at 6.6-6.8% on average (measured
+# with the emulated GEMMs below on make_problem's data, 150 seeds per shape; megamoe's own
+# blockwise recipe gives 6.4% on y there, so this is e4m3's floor, not the scaling). With
+# few slots the errors are noisy samples of that (one token: up to 10% in 200 seeds, in
+# the weight gradients too, which are then rank-one), so problems of fewer than FEW_SLOTS
+# slots get a wider bound, and so does d topk_weights (one value per slot) below
+# MANY_SLOTS routed slots. A NaN fails (rel_err gives inf).
+FP8_TOL = 0.085
+FP8_TOL_FEW_SLOTS = 0.13
+MANY_SLOTS = 1024
 # d topk_weights with fewer than FEW_SLOTS slots: the largest per-slot error relative to the
-# slot's term scale (moe_testing.dp_term_norms): measured up to 0.15.
-FP8_FEW_SLOTS_DP_TOL = 0.3
+# slot's term scale (moe_testing.dp_term_norms): 0.06-0.16 on average, up to 0.36 in 150 seeds.
+FP8_FEW_SLOTS_DP_TOL = 0.5
 
 
 def test_padded_layout_groups_of_16_and_empty_experts():
@@ -125,8 +131,11 @@ def _check_against_float64(p, **kwargs):
     errors = {"y": rel_err(y, reference.forward(*args))}
     refs = reference.backward(p["dy"], *args)
     errors.update({name: rel_err(grads[name], ref) for name, ref in zip(NAMES, refs)})
-    tolerances = {name: FP8_TOL for name in errors}
-    if p["topk_ids"].numel() < FEW_SLOTS:
+    few = p["topk_ids"].numel() < FEW_SLOTS
+    tolerances = {name: FP8_TOL_FEW_SLOTS if few else FP8_TOL for name in errors}
+    if int((p["topk_ids"] >= 0).sum()) < MANY_SLOTS:
+        tolerances["topk_weights"] = FP8_TOL_FEW_SLOTS
+    if few:
         errors["topk_weights"] = dp_error_by_term_scale(grads["topk_weights"], refs[1], p)
         tolerances["topk_weights"] = FP8_FEW_SLOTS_DP_TOL
     print({n: f"{e:.2e}" for n, e in errors.items()})
@@ -145,10 +154,10 @@ def emulated(monkeypatch):
 
 
 @pytest.mark.parametrize("T,H,I,E,k,extra", [
-    (1, 32, 16, 4, 1, {}),
-    (7, 64, 32, 8, 2, dict(invalid_fraction=0.2)),
-    (150, 64, 48, 8, 4, dict(skip_experts=(1, 6))),
-    (40, 32, 16, 4, 3, dict(one_expert=2)),
+    (1, 256, 128, 4, 1, {}),
+    (7, 256, 128, 8, 2, dict(invalid_fraction=0.2)),
+    (150, 128, 48, 8, 4, dict(skip_experts=(1, 6))),
+    (40, 128, 64, 4, 3, dict(one_expert=2)),
 ])
 def test_layer_with_emulated_gemms_on_cpu(emulated, T, H, I, E, k, extra):
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, seed=T + 500, **extra)

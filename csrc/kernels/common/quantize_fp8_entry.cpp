@@ -110,6 +110,48 @@ void set_scales(Fp8QuantizeArgs& a, const megamoe_tensor& s, bool batched) {
   a.s_1 = s.strides[d + 1];
 }
 
+// The two quantizers of one matrix x: [M, K] -> q [M, K] and scales [M, K/128] (1x128
+// blocks), or [R, C] -> q_t [C, Rp] and scales [C, Rp/128] (128-token blocks, transposed).
+megamoe_status quantize_matrix(const char* function, Fp8Blocks blocks, const megamoe_tensor* x,
+                               megamoe_tensor* out, megamoe_tensor* scales, void* cuda_stream) {
+  const bool by_columns = blocks == Fp8Blocks::kColumns128;
+  const char* out_name = by_columns ? "q_t" : "q";
+  return abi_call(function, [&] {
+    const megamoe_tensor& xt = input(x, "x", 2, by_columns ? "[R, C]" : "[M, K]");
+    const int64_t rows = xt.shape[0], width = xt.shape[1];
+    require_multiple(width, by_columns ? "C (the last dimension)" : "K (the last dimension)", xt,
+                     "x");
+    require_aligned_rows(xt, "x");
+    const int64_t Rp = (rows + kBlock - 1) / kBlock * kBlock;
+    const std::string origin =
+        "from x " + shape_str(xt) + (by_columns ? ", Rp = R rounded up to 128" : "");
+    const megamoe_tensor& ot = require_tensor(out, out_name);
+    const megamoe_tensor& st = require_tensor(scales, "scales");
+    if (by_columns) {
+      require_shape(ot, out_name, {{"C", width}, {"Rp", Rp}}, origin);
+      output(ot, out_name, MEGAMOE_DTYPE_FLOAT8_E4M3);
+      require_shape(st, "scales", {{"C", width}, {"Rp/128", Rp / kBlock}}, origin);
+    } else {
+      require_shape(ot, out_name, {{"M", rows}, {"K", width}}, origin);
+      output(ot, out_name, MEGAMOE_DTYPE_FLOAT8_E4M3);
+      require_shape(st, "scales", {{"M", rows}, {"K/128", width / kBlock}}, origin);
+    }
+    output(st, "scales", MEGAMOE_DTYPE_FLOAT32);
+    finish_checks({{out, out_name}, {scales, "scales"}}, {x, "x"});
+
+    Fp8QuantizeArgs a;
+    a.x = static_cast<const __nv_bfloat16*>(xt.data);
+    a.x_row = xt.strides[0];
+    a.rows = rows;
+    a.cols = width;
+    (by_columns ? a.q_t : a.q) = static_cast<uint8_t*>(ot.data);
+    (by_columns ? a.t_row : a.q_row) = ot.strides[0];
+    set_scales(a, st, false);
+    quantize_fp8(blocks, a, static_cast<cudaStream_t>(cuda_stream));
+    return MEGAMOE_SUCCESS;
+  });
+}
+
 }  // namespace
 }  // namespace megamoe
 
@@ -119,31 +161,8 @@ extern "C" {
 
 MEGAMOE_API megamoe_status megamoe_quantize_fp8_1x128(const megamoe_tensor* x, megamoe_tensor* q,
                                                       megamoe_tensor* scales, void* cuda_stream) {
-  return abi_call("megamoe_quantize_fp8_1x128", [&] {
-    const megamoe_tensor& xt = input(x, "x", 2, "[M, K]");
-    const int64_t M = xt.shape[0], K = xt.shape[1];
-    require_multiple(K, "K (the last dimension)", xt, "x");
-    require_aligned_rows(xt, "x");
-    const std::string origin = "from x " + shape_str(xt);
-    const megamoe_tensor& qt = require_tensor(q, "q");
-    require_shape(qt, "q", {{"M", M}, {"K", K}}, origin);
-    output(qt, "q", MEGAMOE_DTYPE_FLOAT8_E4M3);
-    const megamoe_tensor& st = require_tensor(scales, "scales");
-    require_shape(st, "scales", {{"M", M}, {"K/128", K / kBlock}}, origin);
-    output(st, "scales", MEGAMOE_DTYPE_FLOAT32);
-    finish_checks({{q, "q"}, {scales, "scales"}}, {x, "x"});
-
-    Fp8QuantizeArgs a;
-    a.x = static_cast<const __nv_bfloat16*>(xt.data);
-    a.x_row = xt.strides[0];
-    a.rows = M;
-    a.cols = K;
-    a.q = static_cast<uint8_t*>(qt.data);
-    a.q_row = qt.strides[0];
-    set_scales(a, st, false);
-    quantize_fp8(Fp8Blocks::kRows1x128, a, static_cast<cudaStream_t>(cuda_stream));
-    return MEGAMOE_SUCCESS;
-  });
+  return quantize_matrix("megamoe_quantize_fp8_1x128", Fp8Blocks::kRows1x128, x, q, scales,
+                         cuda_stream);
 }
 
 MEGAMOE_API megamoe_status megamoe_quantize_fp8_128x128(const megamoe_tensor* w, megamoe_tensor* q,
@@ -201,32 +220,8 @@ MEGAMOE_API megamoe_status megamoe_quantize_fp8_cols_128(const megamoe_tensor* x
                                                          megamoe_tensor* q_t,
                                                          megamoe_tensor* scales,
                                                          void* cuda_stream) {
-  return abi_call("megamoe_quantize_fp8_cols_128", [&] {
-    const megamoe_tensor& xt = input(x, "x", 2, "[R, C]");
-    const int64_t R = xt.shape[0], C = xt.shape[1];
-    require_multiple(C, "C (the last dimension)", xt, "x");
-    require_aligned_rows(xt, "x");
-    const int64_t Rp = (R + kBlock - 1) / kBlock * kBlock;
-    const std::string origin = "from x " + shape_str(xt) + ", Rp = R rounded up to 128";
-    const megamoe_tensor& tt = require_tensor(q_t, "q_t");
-    require_shape(tt, "q_t", {{"C", C}, {"Rp", Rp}}, origin);
-    output(tt, "q_t", MEGAMOE_DTYPE_FLOAT8_E4M3);
-    const megamoe_tensor& st = require_tensor(scales, "scales");
-    require_shape(st, "scales", {{"C", C}, {"Rp/128", Rp / kBlock}}, origin);
-    output(st, "scales", MEGAMOE_DTYPE_FLOAT32);
-    finish_checks({{q_t, "q_t"}, {scales, "scales"}}, {x, "x"});
-
-    Fp8QuantizeArgs a;
-    a.x = static_cast<const __nv_bfloat16*>(xt.data);
-    a.x_row = xt.strides[0];
-    a.rows = R;
-    a.cols = C;
-    a.q_t = static_cast<uint8_t*>(tt.data);
-    a.t_row = tt.strides[0];
-    set_scales(a, st, false);
-    quantize_fp8(Fp8Blocks::kColumns128, a, static_cast<cudaStream_t>(cuda_stream));
-    return MEGAMOE_SUCCESS;
-  });
+  return quantize_matrix("megamoe_quantize_fp8_cols_128", Fp8Blocks::kColumns128, x, q_t, scales,
+                         cuda_stream);
 }
 
 }  // extern "C"
