@@ -120,10 +120,23 @@ def test_1x128_strided_input_and_outputs_touch_nothing_else():
     assert torch.all(_scale_bits(s_store[:, M:]) == POISON_SCALE_BITS)
 
 
-def test_1x128_zero_rows_is_a_no_op():
+def test_empty_inputs_and_unused_strides():
     x = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
     q, s = kernels.quantize_1x128(x)
     assert q.shape == (0, 256) and s.shape == (0, 2)
+    q_t, s = kernels.quantize_cols_128(x)
+    assert q_t.shape == (256, 0) and s.shape == (256, 0)
+    q, _, s = kernels.quantize_128x128(torch.empty(0, 128, 256, dtype=torch.bfloat16, device="cuda"))
+    assert q.shape == (0, 128, 256) and s.shape == (0, 1, 2)
+    # A size-1 dimension's stride is never used, so it need not be aligned.
+    row = _random((1, 256), 8).as_strided((1, 256), (3, 1))
+    _assert_same("1x128 one row, odd stride", *kernels.quantize_1x128(row),
+                 *fp8.quantize_1x128(row.cpu()))
+    one = _random((1, 128, 128), 9).as_strided((1, 128, 128), (5, 128, 1))
+    q, q_t, s = kernels.quantize_128x128(one, transposed=True)
+    ref_q, ref_s = fp8.quantize_128x128(one.cpu())
+    _assert_same("128x128 one expert, odd batch stride", q, s, ref_q, ref_s)
+    _assert_same("128x128 one expert, W^T", q_t, s, ref_q.transpose(-2, -1), ref_s)
 
 
 @pytest.mark.parametrize("E,N,K", [(1, 128, 128), (3, 256, 384), (17, 128, 256), (4, 1536, 2048),

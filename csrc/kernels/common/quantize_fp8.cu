@@ -187,12 +187,16 @@ __global__ void __launch_bounds__(kThreads, 3)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-void check_args(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
-  const char* fn = "quantize_fp8";
-  auto fail = [&](const std::string& what) { throw_invalid(std::string(fn) + ": " + what); };
+[[noreturn]] void fail(const std::string& what) { throw_invalid("quantize_fp8: " + what); }
+
+void check_sizes(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
   if (a.cols <= 0 || a.cols % kTile) fail("cols must be a positive multiple of 128");
   if (a.rows < 0 || a.batches < 0) fail("negative rows or batches");
   if (blocks == Fp8Blocks::kTiles128 && a.rows % kTile) fail("rows must be a multiple of 128");
+}
+
+// Pointers and strides of a call with work to do (frameworks hand out NULL for empty tensors).
+void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
   const bool direct = a.q != nullptr, transposed = a.q_t != nullptr;
   if (blocks == Fp8Blocks::kRows1x128 && (!direct || transposed)) fail("needs q and no q_t");
   if (blocks == Fp8Blocks::kColumns128 && (direct || !transposed)) fail("needs q_t and no q");
@@ -201,8 +205,12 @@ void check_args(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
   if (!aligned16(a.x) || (direct && !aligned16(a.q)) || (transposed && !aligned16(a.q_t))) {
     fail("x, q and q_t must be 16-byte aligned");
   }
-  if (a.x_row % 8 || a.x_batch % 8 || (direct && (a.q_row % 16 || a.q_batch % 16)) ||
-      (transposed && (a.t_row % 16 || a.t_batch % 16))) {
+  // Strides of dimensions of size 1 are never used (rows past the first one, batches past
+  // the first one), so only the others must keep the 16-byte vectors aligned.
+  const bool rows = a.rows > 1, batches = a.batches > 1;
+  if ((rows && a.x_row % 8) || (batches && a.x_batch % 8) ||
+      (direct && ((rows && a.q_row % 16) || (batches && a.q_batch % 16))) ||
+      (transposed && (a.t_row % 16 || (batches && a.t_batch % 16)))) {
     fail("row and batch strides must be multiples of 16 bytes");
   }
 }
@@ -210,8 +218,9 @@ void check_args(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
 }  // namespace
 
 void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t stream) {
-  check_args(blocks, a);
+  check_sizes(blocks, a);
   if (a.batches == 0 || a.rows == 0) return;
+  check_pointers(blocks, a);
   const int64_t row_tiles = (a.rows + kTile - 1) / kTile, col_tiles = a.cols / kTile;
   const int64_t tiles = a.batches * row_tiles * col_tiles;
   if (tiles > INT_MAX) {

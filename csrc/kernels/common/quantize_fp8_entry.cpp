@@ -23,6 +23,7 @@ std::string strides_str(const megamoe_tensor& t) {
 // Innermost stride 1; every other stride a non-negative multiple of 16 bytes; the data
 // 16-byte aligned (the kernels move 16-byte vectors).
 void require_aligned_rows(const megamoe_tensor& t, const char* name) {
+  if (numel(t) == 0) return;  // nothing is read or written
   const int64_t elem = static_cast<int64_t>(megamoe_dtype_size(t.dtype));
   bool ok = t.shape[t.ndim - 1] <= 1 || t.strides[t.ndim - 1] == 1;
   for (int d = 0; d + 1 < t.ndim; ++d) {
@@ -33,7 +34,7 @@ void require_aligned_rows(const megamoe_tensor& t, const char* name) {
                   "strides that are multiples of 16 bytes, got strides " + strides_str(t) +
                   " for shape " + shape_str(t));
   }
-  if (numel(t) > 0 && reinterpret_cast<uintptr_t>(t.data) % 16) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16) {
     throw_invalid(std::string(name) + ": data pointer must be 16-byte aligned");
   }
 }
@@ -41,6 +42,7 @@ void require_aligned_rows(const megamoe_tensor& t, const char* name) {
 // No two elements of an output share memory: with the dimensions of size > 1 ordered by
 // stride, each stride covers the extent of the ones below it.
 void require_no_self_overlap(const megamoe_tensor& t, const char* name) {
+  if (numel(t) == 0) return;
   int order[MEGAMOE_MAX_DIMS];
   int n = 0;
   for (int d = 0; d < t.ndim; ++d) {
