@@ -42,7 +42,8 @@ def check_supported(x: torch.Tensor, w_gate_up: torch.Tensor) -> None:
             "precision='fp8' with backend='torch' runs torch._scaled_grouped_mm, which needs a "
             f"CUDA GPU with FP8 tensor cores (compute capability 9.0 or 10.0); got x on {x.device}. "
             "Use precision='bf16' on this device")
-    capability = torch.cuda.get_device_capability(x.device)
+    # Not while torch.compile traces (a host query it cannot hold): the GEMM refuses other GPUs.
+    capability = (9, 0) if torch.compiler.is_compiling() else torch.cuda.get_device_capability(x.device)
     if capability not in ((9, 0), (10, 0)):
         raise MegaMoEError(
             "precision='fp8' with backend='torch': torch._scaled_grouped_mm runs on compute "
