@@ -139,7 +139,8 @@ MEGAMOE_API megamoe_status megamoe_routing_counts(const megamoe_tensor* topk_ids
  * scale = NaN 0x7FC00000); an all-zero block gets scale 2^-100 / 448 and zeros. The bits
  * are those of the reference quantizer python/megamoe/fp8.py (docs/fp8.md).
  * Layouts: bf16 inputs and e4m3 outputs have unit stride in the last dimension, other
- * strides multiples of 16 bytes, data 16-byte aligned; scales take any strides (e.g.
+ * strides multiples of 16 bytes (those of size-1 dimensions are not used and may be
+ * anything), data 16-byte aligned; scales take any strides (e.g.
  * [M, K/128] stored M-major, as a GEMM's TMA wants it). Outputs are overwritten, must not
  * overlap the input or each other, and no element is written twice. Asynchronous on
  * `cuda_stream`; no host sync; capturable in a CUDA graph; bitwise reproducible.
