@@ -10,7 +10,7 @@ import torch
 
 import megamoe
 from megamoe import fp8, reference, torch_fp8
-from moe_testing import (FEW_SLOTS, dp_error_by_term_scale, make_problem, needs_cuda, rel_err,
+from moe_testing import (FEW_SLOTS, dp_error_and_bound, make_problem, needs_cuda, rel_err,
                          run_with_grads)
 
 NAMES = ("x", "topk_weights", "w_gate_up", "w_down")
@@ -136,7 +136,9 @@ def _check_against_float64(p, **kwargs):
     if int((p["topk_ids"] >= 0).sum()) < MANY_SLOTS:
         tolerances["topk_weights"] = FP8_TOL_FEW_SLOTS
     if few:
-        errors["topk_weights"] = dp_error_by_term_scale(grads["topk_weights"], refs[1], p)
+        # The per-slot error by term scale (the bf16 bound that comes with it does not
+        # apply to e4m3).
+        errors["topk_weights"], _ = dp_error_and_bound(grads["topk_weights"], refs[1], p)
         tolerances["topk_weights"] = FP8_FEW_SLOTS_DP_TOL
     print({n: f"{e:.2e}" for n, e in errors.items()})
     for name, err in errors.items():
