@@ -492,8 +492,9 @@ def _finish(config: Config, state: Run, setup: Setup, base: dict, steps: list[di
         log(f"wrote {log_dir / 'run.json'}" + (f" and {log_dir / 'curves.png'}" if config.log.plot else ""))
         if median:
             mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] else ""
+            per = "rank" if base["gpu"] == "cpu" else "GPU"
             log(f"median step time (steps 6-20) {median * 1e3:.1f} ms, "
-                f"{summary['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU{mfu}")
+                f"{summary['tokens_per_s_per_gpu']:,.0f} tokens/s/{per}{mfu}")
     summary["steps"] = steps
     return summary
 
