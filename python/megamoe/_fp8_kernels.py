@@ -8,8 +8,6 @@ view for an M-major layout). Asynchronous on the current stream of x's device.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import _lib
@@ -31,8 +29,7 @@ def _check_input(name: str, x: torch.Tensor, ndim: int, dims: str) -> None:
 def _run(function: str, x: torch.Tensor, *outputs) -> None:
     descs = [_lib.describe(x)] + [None if t is None else _lib.describe(t) for t in outputs]
     with torch.cuda.device(x.device):
-        stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
-        _lib.call(function, *(_lib.ref(d) for d in descs), stream)
+        _lib.call(function, *(_lib.ref(d) for d in descs), _lib.stream(x.device))
 
 
 def _blocks(size: int) -> int:

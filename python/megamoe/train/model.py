@@ -1,6 +1,6 @@
 """The model: a transformers MoE causal LM (no model code of our own), its experts dispatched
-to megamoe or to transformers' own grouped_mm, the experts cut to this rank's share under
-expert parallelism, activation checkpointing, torch.compile, and FSDP2.
+to megamoe or to transformers' own grouped_mm (under expert parallelism the integration's
+shard_experts keeps each rank's share), activation checkpointing, torch.compile, and FSDP2.
 
 FSDP2 units (TorchTitan's layout): every router (fp32 params, fp32 inputs, so its logits,
 softmax and top-k weights are fp32), under EP every experts module (sharded over the dp mesh
@@ -178,21 +178,6 @@ def moe_blocks(model) -> list[nn.Module]:
         raise ConfigError(f"model: {type(model).__name__} has no MoE blocks with experts in the "
                           "transformers layout (experts.gate_up_proj / experts.down_proj)")
     return blocks
-
-
-def shard_experts(model, ep_rank: int, ep_size: int, num_experts: int) -> None:
-    """Keeps this EP rank's experts: [ep_rank * E/ep, (ep_rank + 1) * E/ep) of every experts
-    parameter (the integration receives global top-k ids)."""
-    if ep_size == 1:
-        return
-    local = num_experts // ep_size
-    for block in moe_blocks(model):
-        for name, param in list(block.experts.named_parameters(recurse=False)):
-            if param.shape[0] != num_experts:
-                raise ConfigError(f"model: experts parameter {name} has {param.shape[0]} rows, "
-                                  f"not one per expert ({num_experts}); cannot split it for EP")
-            piece = param.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
-            setattr(block.experts, name, nn.Parameter(piece, requires_grad=param.requires_grad))
 
 
 def apply_dispatch(model, config: Config, device: torch.device, group=None, buffer=None) -> str:

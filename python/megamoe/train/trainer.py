@@ -277,7 +277,10 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     if state.ep > 1:
         ep_mesh = dp_ep_mesh["ep"]
         group, expert_mesh = ep_mesh.get_group(), dp_ep_mesh["dp"]
-        model_mod.shard_experts(model, ep_mesh.get_local_rank(), state.ep, geometry["num_experts"])
+        from megamoe.integrations import transformers as mt
+
+        # This rank's E/ep experts, as the integration serves them (global top-k ids).
+        mt.shard_experts(model, group)
         if config.model.moe.dispatch.type == "mega_moe":
             import megamoe
 
