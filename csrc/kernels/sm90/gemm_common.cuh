@@ -41,10 +41,17 @@ __device__ __forceinline__ void consumer_barrier_sync(int consumer) {
 }
 
 // setmaxnreg only moves registers within the block's launch allocation (384 x 168): what
-// the consumers gain, 256 x (224 - 168), must equal what the producer gives up,
-// 128 x (168 - 56); a larger total makes the consumers' setmaxnreg.inc wait forever.
-constexpr int kProducerRegisters = 56;
-constexpr int kConsumerRegisters = 224;
+// the consumers gain, 256 x (C - 168), must equal what the producer gives up,
+// 128 x (168 - P); a larger total makes the consumers' setmaxnreg.inc wait forever. A
+// mainloop picks its split (P, C) with RegisterSplit.
+template <int kProducer, int kConsumer>
+struct RegisterSplit {
+  static_assert(256 * (kConsumer - 168) == 128 * (168 - kProducer) && kConsumer % 8 == 0);
+  static constexpr int kProducerRegisters = kProducer;
+  static constexpr int kConsumerRegisters = kConsumer;
+};
+// The bf16 mainloop's 256-wide tiles keep 128 accumulators per consumer thread.
+using WideConsumerRegisters = RegisterSplit<56, 224>;
 
 // The ring of shared-memory stages between the producer and the consumers: a stage's `full`
 // barrier completes when its operands have landed, its `empty` barrier when both consumer

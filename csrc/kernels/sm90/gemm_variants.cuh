@@ -11,6 +11,7 @@
 #include "kernels/sm90/epilogue_weight_grad.cuh"
 #include "kernels/sm90/grouped_gemm_kernel.cuh"
 #include "kernels/sm90/mainloop_bf16.cuh"
+#include "kernels/sm90/mainloop_fp8.cuh"
 #include "kernels/sm90/operand_gathered.cuh"
 #include "kernels/sm90/operand_tma.cuh"
 
@@ -24,7 +25,8 @@ using MGroupedGemm =
                 std::conditional_t<kGathered, AGathered<Mainloop>, ATma<Mainloop>>,
                 BTma<Mainloop, Epilogue::kBColumns>, Epilogue>;
 template <class Mainloop, class Epilogue>
-using KGroupedGemm = GroupedGemm<Grouping::kK, Mainloop, ATma<Mainloop>, BTma<Mainloop>, Epilogue>;
+using KGroupedGemm =
+    GroupedGemm<Grouping::kK, Mainloop, ATma<Mainloop, Grouping::kK>, BTma<Mainloop>, Epilogue>;
 
 template <int kBlockN, bool kGathered>
 using MGroupedGemmNt =
@@ -42,5 +44,19 @@ using MGroupedGemmNnSwiGLUBackward =
 template <int kBlockN>
 using KGroupedGemmTn =
     KGroupedGemm<MainloopBf16<kBlockN, Major::kMN, Major::kMN>, WeightGradEpilogue<kBlockN>>;
+
+// Blockwise FP8 (gemm_fp8.h): 128-wide tiles, B K-major; weights scaled per 128 x 128 block,
+// the weight gradients' B per row like A.
+using WeightScales = MainloopFp8<BScales::kBlocks128>;
+template <bool kGathered>
+using MGroupedFp8GemmNt = MGroupedGemm<WeightScales, kGathered, StoreEpilogue<128>>;
+template <bool kGathered>
+using MGroupedFp8GemmNtSwiGLU =
+    MGroupedGemm<MainloopFp8<BScales::kBlocks128, BColumns::kGateUpHalves>, kGathered,
+                 SwiGLUSavedHEpilogue<128>>;
+template <bool kGathered>
+using MGroupedFp8GemmNtSwiGLUBackward =
+    MGroupedGemm<WeightScales, kGathered, SwiGLUBackwardEpilogue<128>>;
+using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows>, WeightGradEpilogue<128>>;
 
 }  // namespace megamoe::sm90

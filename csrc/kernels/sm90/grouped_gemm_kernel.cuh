@@ -2,7 +2,8 @@
 //
 //   GroupedGemm<Grouping, Mainloop, ALoad, BLoad, Epilogue>
 //     Grouping  -> TileScheduler (tile_scheduler.cuh): which tiles, in which order
-//     Mainloop  (mainloop_bf16.cuh): stage storage and the MMAs; owns the element type
+//     Mainloop  (mainloop_bf16.cuh, mainloop_fp8.cuh): stage storage and the MMAs; owns the
+//               element type
 //     ALoad, BLoad (operand_tma.cuh, operand_gathered.cuh): how the producer fills a stage
 //     Epilogue  (epilogue_*.cuh): what the accumulators become
 //
@@ -37,8 +38,9 @@ struct GroupedGemm {
 
   static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
   static_assert(Epilogue::kBColumns == BLoad::kColumns, "the epilogue needs another B tile");
-  // The weight gradient's A is [rows, m]: its tile is M columns of the expert's rows.
-  static_assert((kGrouping == Grouping::kK) == (Mainloop::kAMajor == Major::kMN));
+  // M-grouped A is [rows, K]. The weight gradient's A is [rows, m] (its tile M columns of
+  // the expert's rows), or for FP8, whose wgmma reads K-major operands only, A^T [m, rows].
+  static_assert(kGrouping == Grouping::kK || Mainloop::kAMajor == Major::kK);
   static_assert(kGrouping == Grouping::kM || ALoad::kThreads == 1);
 
   static constexpr int kStages =
@@ -60,6 +62,8 @@ struct GroupedGemm {
   };
   static constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment
   static_assert(kSharedBytes <= 227 * 1024);
+  static_assert(offsetof(SharedStorage, epilogue) % 1024 == 0, "staging must be swizzle-aligned");
+  static_assert(kStages >= 2);
 };
 
 template <class Gemm>
@@ -77,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.pipeline.full[s], Producer::kFullArrivals);
-      mbarrier_init(&smem.pipeline.empty[s], 2);  // one arrival per consumer warpgroup
+      mbarrier_init(&smem.pipeline.empty[s], 2 * Mainloop::kConsumerArrivals);
     }
     Epilogue::init(smem.epilogue_barriers);
     fence_barrier_init();
@@ -87,14 +91,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const typename Gemm::Scheduler scheduler(p.scheduler);
   if (warpgroup == 0) {
     // The producer needs few registers: give them to the consumers' accumulators.
-    setmaxnreg_dec<kProducerRegisters>();
+    setmaxnreg_dec<Mainloop::Registers::kProducerRegisters>();
     if (Producer::kThreads == 128 || threadIdx.x == 0) {
       Producer::run(p.a, p.b, p.mainloop, scheduler, smem.tiles, smem.pipeline);
     }
     return;
   }
 
-  setmaxnreg_inc<kConsumerRegisters>();
+  setmaxnreg_inc<Mainloop::Registers::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   Epilogue epilogue(p.epilogue, smem.epilogue, smem.epilogue_barriers, consumer);
   const Mainloop mainloop(p.mainloop);

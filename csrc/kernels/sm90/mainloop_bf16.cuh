@@ -5,11 +5,10 @@
 // Element, kBlockN, kBlockK (K per stage: 128 bytes of a row), the majors of A and B, the
 // tile bytes of a stage, Tiles<kStages> (its stage storage), Params (its constructor's),
 // kExtraTmaBytes with load_extras() (per-stage loads besides A and B, issued by the
-// producer's TMA thread) and mma(). The loaders and the tile scheduler take the element
+// producer's TMA thread), kScaled / kBRowScales (which block scales the loaders bring into
+// a stage), kConsumerArrivals and mma(). The loaders and the tile scheduler take the element
 // type, kBlockK and the tile bytes from it. Another element type is another file with the
-// same members, chosen in gemm_variants.cuh; e.g. blockwise FP8: e4m3 tiles (kBlockK = 128,
-// with a TmaElement for its tensor maps), A's scales as the stage's extra TMA load, and an
-// mma() that promotes each k-block's partial sums into fp32 accumulators with the scales.
+// same members, chosen in gemm_variants.cuh: mainloop_fp8.cuh is blockwise FP8.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -33,6 +32,12 @@ struct MainloopBf16 {
   static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
   static constexpr int kAccumulators = kBlockN / 2;  // per consumer thread (m64nNk16)
   static constexpr int kExtraTmaBytes = 0;
+  static constexpr bool kScaled = false;      // no block scales (see mainloop_fp8.cuh)
+  static constexpr bool kBRowScales = false;
+  // Arrivals per consumer warpgroup that release a stage: its MMAs' reads are the only ones,
+  // and wgmma_wait covers the whole warpgroup.
+  static constexpr int kConsumerArrivals = 1;
+  using Registers = WideConsumerRegisters;
 
   // Descriptor strides (bytes) of an MN-major B tile; the defaults of the host API describe
   // the layout the TMA boxes produce (see smem_desc_mn_major_sw128).

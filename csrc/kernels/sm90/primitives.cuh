@@ -120,6 +120,12 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
                : "memory");
 }
 
+// 4 bytes global -> shared (an FP8 row's block scale).
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+
 // Arrives on `bar` once this thread's earlier cp.async copies have landed; the barrier's
 // expected count includes this arrival (noinc).
 __device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
@@ -229,6 +235,22 @@ MEGAMOE_WGMMA_BF16(256, MEGAMOE_WGMMA_D_0_63 MEGAMOE_WGMMA_D_64_127, "%130",
                    MEGAMOE_WGMMA_ACC64(d, 64))
 
 #undef MEGAMOE_WGMMA_BF16
+
+// D[64x128] (+)= A[64x32] * B[128x32]^T, e4m3 in, fp32 out, both K-major (FP8 wgmma has no
+// transposed operands). The tensor cores keep fewer than fp32's bits while they accumulate:
+// the FP8 mainloop runs one k-block per call chain and promotes D into its own fp32 sums.
+__device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                int scale_d) {
+  asm volatile("{\n"
+               ".reg .pred p;\n"
+               "setp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+               "{" MEGAMOE_WGMMA_D_0_63 "}, %64, %65, p, 1, 1;\n"
+               "}\n"
+               : MEGAMOE_WGMMA_ACC64(d, 0)
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 #undef MEGAMOE_WGMMA_ACC64
 #undef MEGAMOE_WGMMA_ACC8
 #undef MEGAMOE_WGMMA_D_64_127

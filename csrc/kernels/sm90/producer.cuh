@@ -44,11 +44,11 @@ struct Producer {
         mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
         if (tma_thread) {
           mbarrier_arrive_expect_tx(&pipe.full[s], kTmaBytes);
-          a.load_tma(tiles.a[s], &pipe.full[s], t, kb);
-          b.load(tiles.b[s], &pipe.full[s], t, kb);
+          a.load_tma(tiles, s, &pipe.full[s], t, kb);
+          b.load(tiles, s, &pipe.full[s], t, kb);
           mainloop.load_extras(tiles, s, &pipe.full[s], t, kb);
         }
-        a.load_async(tiles.a[s], &pipe.full[s], t, kb);
+        a.load_async(tiles, s, &pipe.full[s], t, kb);
         state.advance();
       }
     });

@@ -19,6 +19,16 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+void check(CUresult res, int64_t rows, int64_t cols, int element_bytes) {
+  if (res != CUDA_SUCCESS) {
+    throw Error(MEGAMOE_ERROR_CUDA, "cuTensorMapEncodeTiled failed with CUresult " +
+                                        std::to_string(static_cast<int>(res)) + " for a [" +
+                                        std::to_string(rows) + ", " + std::to_string(cols) +
+                                        "] matrix of " + std::to_string(element_bytes) +
+                                        "-byte elements");
+  }
+}
+
 }  // namespace
 
 CUtensorMap make_tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows,
@@ -29,17 +39,25 @@ CUtensorMap make_tensor_map(const void* base, int64_t rows, int64_t cols, int bo
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / element_bytes),
                              static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult res = tensor_map_encoder()(
-      &map, type, 2, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    throw Error(MEGAMOE_ERROR_CUDA, "cuTensorMapEncodeTiled failed with CUresult " +
-                                        std::to_string(static_cast<int>(res)) + " for a [" +
-                                        std::to_string(rows) + ", " + std::to_string(cols) +
-                                        "] matrix of " + std::to_string(element_bytes) +
-                                        "-byte elements");
-  }
+  check(tensor_map_encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box,
+                             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        rows, cols, element_bytes);
+  return map;
+}
+
+CUtensorMap make_scale_tensor_map(const float* base, int64_t blocks, int64_t cols, int box_cols) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(blocks)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(float)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), 1};
+  const cuuint32_t element_strides[2] = {1, 1};
+  check(tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base),
+                             dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                             CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        blocks, cols, sizeof(float));
   return map;
 }
 

@@ -1,0 +1,85 @@
+// The sm_90a blockwise-FP8 grouped GEMMs of the expert layers (host API): the same GEMMs as
+// gemm.h (same names with _fp8_, same groups, C and epilogues), with e4m3 operands and fp32
+// block scales (the DeepSeek-V3 recipe; megamoe/fp8.py is its reference). FP8 wgmma reads
+// both operands K-major, so every B is stored [n, k] (a weight's transposed copy where the
+// bf16 GEMM reads it N-major) and the weight gradients' operands token-contiguous. Tiles are
+// kGemmBlockM x 128; K is a multiple of 128 (one scale block).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/sm90/gemm.h"
+
+namespace megamoe::sm90 {
+
+// A [rows, k] e4m3 row-major with 1x128 scales: the scale of row r's k-block j (columns
+// 128j..) at scales[j * scale_ld + r], r a row of `data` (for a gathered A, the source row).
+// scale_ld >= rows, a multiple of 4. Materialised in `layout`, or gathered as in gemm.h.
+struct MGroupedFp8A {
+  const __nv_fp8_e4m3* data = nullptr;
+  int64_t rows = 0;
+  RowLayout layout = RowLayout::kSorted;
+  const int32_t* gather = nullptr;
+  const float* scales = nullptr;
+  int64_t scale_ld = 0;
+};
+
+// The experts' weights, B_e [n, k] e4m3 stacked to [E * n, k], with one scale per 128 x 128
+// block: block (i, j) of expert e (rows 128i.., columns 128j..) at
+// scales[e * s_expert + i * s_n + j * s_k]. The strides let a transposed copy of W read W's
+// own scales (a block's scale serves W and W^T).
+struct Fp8Weights {
+  const __nv_fp8_e4m3* data = nullptr;
+  const float* scales = nullptr;
+  int64_t s_expert = 0, s_n = 0, s_k = 0;
+};
+
+struct MGroupedFp8GemmArgs {
+  ExpertGroups groups;
+  MGroupedFp8A a;
+  Fp8Weights b;
+  int64_t k = 0;  // multiple of 128
+  int64_t n = 0;  // output columns
+  MGroupedC c;
+};
+
+// C[r, :n] = A_r . B_e^T (bf16 C), b = [E * n, k]; n a multiple of 128. E.g. L2 (w_down
+// [E, H, I]) and the dgrad of L1 (W_gate_up^T [E, H, 2I]).
+void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream);
+
+// L1 with the SwiGLU: as m_grouped_gemm_nt_swiglu, b = w_gate_up [E * 2n, k] (n = I, a
+// multiple of 128), h optional.
+void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& args, __nv_bfloat16* h,
+                                  cudaStream_t stream);
+
+// The dgrad of L2 with the SwiGLU backward, as m_grouped_gemm_nn_swiglu_backward, with
+// b = W_down^T [E * I, H] (k = H, n = I, a multiple of 128) and dp_partial
+// [groups.rows, fp8_swiglu_backward_dp_columns(I)].
+void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& args,
+                                           const SwiGLUGradArgs& grads, cudaStream_t stream);
+int64_t fp8_swiglu_backward_dp_columns(int64_t n);
+
+// The weight gradient C[e * m + i, j] = sum_r a[r, i] * b[r, j] over expert e's padded rows,
+// from token-contiguous copies with a scale per column and 128 rows:
+//   a_t [m, padded_rows] e4m3, a_scales [padded_rows / 128, m] (column i, rows 128j.. at
+//   a_scales[j * m + i]); b_t [n, padded_rows], b_scales [padded_rows / 128, n].
+// m, n multiples of 128; C as in k_grouped_gemm_tn (bf16 written, or fp32 added into).
+struct KGroupedFp8GemmArgs {
+  const __nv_fp8_e4m3* a_t = nullptr;
+  const float* a_scales = nullptr;
+  const __nv_fp8_e4m3* b_t = nullptr;
+  const float* b_scales = nullptr;
+  int64_t padded_rows = 0;
+  int64_t m = 0, n = 0;
+  int64_t num_experts = 0;
+  const int32_t* tile_offsets = nullptr;
+  __nv_bfloat16* c = nullptr;
+  float* c_accumulate = nullptr;
+};
+void k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream);
+
+}  // namespace megamoe::sm90

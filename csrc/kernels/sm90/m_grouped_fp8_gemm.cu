@@ -1,0 +1,123 @@
+// The M-grouped blockwise-FP8 GEMMs (gemm_fp8.h): m_grouped_fp8_gemm_nt, _nt_swiglu and
+// _nt_swiglu_backward.
+#include <string>
+#include <type_traits>
+
+#include "core/error.h"
+#include "kernels/common/kernel_preload.h"
+#include "kernels/sm90/gemm_fp8.h"
+#include "kernels/sm90/gemm_variants.cuh"
+
+namespace megamoe::sm90 {
+namespace {
+
+void check_fp8(const MGroupedFp8GemmArgs& a, const std::string& name) {
+  if (a.k % 128 != 0 || a.k < 1) throw_invalid(name + ": K must be a positive multiple of 128");
+  if (a.c.ld % 8 != 0 || reinterpret_cast<uintptr_t>(a.c.data) % 16) {
+    throw_invalid(name + ": C rows must be 16-byte aligned");
+  }
+  if (reinterpret_cast<uintptr_t>(a.a.data) % 16 || reinterpret_cast<uintptr_t>(a.b.data) % 16) {
+    throw_invalid(name + ": A and B must be 16-byte aligned");
+  }
+  if (!a.a.scales || !a.b.scales) throw_invalid(name + ": null A or B scales");
+  // TMA reads A's scales in rows of scale_ld floats: 16-byte strides.
+  if (a.a.scale_ld % 4 != 0 || a.a.scale_ld < a.a.rows || reinterpret_cast<uintptr_t>(a.a.scales) % 16) {
+    throw_invalid(name + ": A's scale_ld must be a multiple of 4 and at least A's rows, and "
+                         "the scales 16-byte aligned");
+  }
+  if (a.a.gather != nullptr && a.a.rows < 1) throw_invalid(name + ": gathered A has no rows");
+}
+
+// Launches Gemm over the call's groups, its A (gathered or by TMA) with A's scales, B and
+// the epilogue. up_block: the block row of an expert's first up row (gate-up B).
+template <class Gemm>
+void launch(const MGroupedFp8GemmArgs& a, const typename Gemm::BLoad::Params& b, int64_t n_tiles,
+            int64_t up_block, const typename Gemm::Epilogue::Params& epilogue,
+            cudaStream_t stream) {
+  typename Gemm::Params p{};
+  p.scheduler = Gemm::Scheduler::m_grouped(a.groups.expert_offsets, a.groups.tile_offsets,
+                                           a.groups.num_experts, a.k, n_tiles);
+  if constexpr (std::is_same_v<typename Gemm::ALoad, AGathered<typename Gemm::Mainloop>>) {
+    p.a = Gemm::ALoad::params(a.a.data, a.a.gather, a.k, a.a.scales, a.a.scale_ld);
+  } else {
+    p.a = Gemm::ALoad::params(a.a.data, a.a.rows, a.k, a.a.layout == RowLayout::kPadded,
+                              a.a.scales, a.a.scale_ld);
+  }
+  p.b = b;
+  p.mainloop.b_scales = a.b.scales;
+  p.mainloop.s_expert = a.b.s_expert;
+  p.mainloop.s_n = static_cast<int32_t>(a.b.s_n);
+  p.mainloop.s_k = static_cast<int32_t>(a.b.s_k);
+  p.mainloop.up_block = static_cast<int32_t>(up_block);
+  p.mainloop.a_sorted_tma = a.a.gather == nullptr && a.a.layout == RowLayout::kSorted;
+  p.epilogue = epilogue;
+  launch_grouped_gemm<Gemm>(p, Gemm::Scheduler::max_tiles(p.scheduler, a.groups.rows), stream);
+}
+
+// Calls run(std::bool_constant<gathered>{}).
+template <class Run>
+void dispatch(const MGroupedFp8GemmArgs& a, Run&& run) {
+  a.a.gather != nullptr ? run(std::true_type{}) : run(std::false_type{});
+}
+
+[[maybe_unused]] const bool kPreloadable =
+    register_kernel_module(&grouped_gemm_kernel<MGroupedFp8GemmNt<false>>);
+
+}  // namespace
+
+void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& a, cudaStream_t stream) {
+  const std::string name = "m_grouped_fp8_gemm_nt";
+  if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": N must be a positive multiple of 128");
+  check_fp8(a, name);
+  if (a.groups.rows == 0) return;
+  dispatch(a, [&](auto gathered) {
+    using Gemm = MGroupedFp8GemmNt<decltype(gathered)::value>;
+    const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
+    const auto epilogue = Gemm::Epilogue::params(a.c.data, a.c.rows, a.c.ld,
+                                                 a.c.layout == RowLayout::kPadded);
+    launch<Gemm>(a, b, a.n / 128, 0, epilogue, stream);
+  });
+}
+
+void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h,
+                                  cudaStream_t stream) {
+  const std::string name = "m_grouped_fp8_gemm_nt_swiglu";
+  // A tile's 64 gate rows must lie in one 128-row scale block, and so must its up rows.
+  if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": I (n) must be a positive multiple of 128");
+  check_fp8(a, name);
+  if (a.groups.rows == 0) return;
+  dispatch(a, [&](auto gathered) {
+    using Gemm = MGroupedFp8GemmNtSwiGLU<decltype(gathered)::value>;
+    using Epilogue = typename Gemm::Epilogue;
+    const auto b =
+        Gemm::BLoad::params(a.b.data, a.groups.num_experts * 2 * a.n, a.k, 2 * a.n, a.n);
+    const auto out = SwiGLUEpilogue<128>::params(a.c.data, a.c.rows, a.c.ld,
+                                                 a.c.layout == RowLayout::kPadded);
+    launch<Gemm>(a, b, a.n / Epilogue::kOutCols, a.n / 128,
+                 Epilogue::params(out, h, a.c.rows, a.n), stream);
+  });
+}
+
+void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const SwiGLUGradArgs& g,
+                                           cudaStream_t stream) {
+  const std::string name = "m_grouped_fp8_gemm_nt_swiglu_backward";
+  if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": I (n) must be a positive multiple of 128");
+  if (!g.h || !a.c.data || !g.slot_weights || !g.row_slot || !g.dp_partial) {
+    throw_invalid(name + ": null h, dh (C), slot_weights, row_slot or dp_partial");
+  }
+  if (a.c.ld != 2 * a.n) throw_invalid(name + ": dh (C) must have ld = 2I (2n)");
+  check_fp8(a, name);
+  if (a.groups.rows == 0) return;
+  dispatch(a, [&](auto gathered) {
+    using Gemm = MGroupedFp8GemmNtSwiGLUBackward<decltype(gathered)::value>;
+    const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
+    const auto epilogue = Gemm::Epilogue::params(
+        g.h, a.groups.rows, a.c.data, g.a_out, a.c.rows, a.c.layout == RowLayout::kPadded,
+        g.slot_weights, g.row_slot, g.dp_partial, a.n);
+    launch<Gemm>(a, b, a.n / 128, 0, epilogue, stream);
+  });
+}
+
+int64_t fp8_swiglu_backward_dp_columns(int64_t n) { return n / 128; }
+
+}  // namespace megamoe::sm90

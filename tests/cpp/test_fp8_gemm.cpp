@@ -1,0 +1,402 @@
+// The blockwise-FP8 grouped GEMMs (gemm_fp8.h) against CPU products in double of the
+// dequantized operands (q * scale), which isolates the GEMM's accumulation from the
+// quantization: every A layout, sorted and padded C, both scale layouts of B (W and the W^T
+// reading of W's scales), the SwiGLU and SwiGLU-backward epilogues, and the weight gradient,
+// over empty experts and ragged tails, with NaN-poisoned outputs and scales that differ per
+// block. Skipped without a GPU.
+//
+// The bound, 1e-3: an output rounded to bf16 can be no closer to the exact product than its
+// own rounding (~1.3e-3 in the Frobenius norm), so a bf16 output is held to 1e-3 of error
+// beyond that rounding (error_beyond_rounding); fp32 outputs are compared with the exact
+// values directly.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "gemm_test_util.h"
+#include "kernels/sm90/gemm_fp8.h"
+
+namespace {
+
+using megamoe::sm90::RowLayout;
+using megamoe_test::ALayout;
+using megamoe_test::HostGroups;
+
+constexpr double kFp8GemmBound = 1e-3;
+
+double sigmoid(double g) { return 1.0 / (1.0 + std::exp(-g)); }
+
+uint8_t e4m3_bits(double v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(static_cast<float>(v), __NV_SATFINITE, __NV_E4M3));
+}
+double e4m3_value(uint8_t bits) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(bits, __NV_E4M3);
+  return static_cast<double>(__half2float(__half(h)));
+}
+
+// Random e4m3 values (a normal distribution spread over e4m3's range) and one random fp32
+// scale per block: `blocks` scales, block_of(i) naming element i's.
+struct Quantized {
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+  std::vector<double> values;  // q * its scale
+};
+template <class BlockOf>
+Quantized random_quantized(int64_t count, int64_t blocks, BlockOf&& block_of, std::mt19937_64& rng,
+                           double target_rms) {
+  Quantized r;
+  std::normal_distribution<double> normal(0.0, 96.0);
+  std::uniform_real_distribution<double> log_scale(-3.0, 3.0);
+  r.scales.resize(blocks);
+  // Scales spread over 2^-3..2^3 of target_rms / 96, so a wrong block index shows.
+  for (auto& s : r.scales) s = static_cast<float>(target_rms / 96.0 * std::exp2(log_scale(rng)));
+  r.q.resize(count);
+  r.values.resize(count);
+  for (int64_t i = 0; i < count; ++i) {
+    r.q[i] = e4m3_bits(normal(rng));
+    r.values[i] = e4m3_value(r.q[i]) * double(r.scales[block_of(i)]);
+  }
+  return r;
+}
+
+// The error of a bf16 output beyond its own rounding: with e = ||got - ref|| / ||ref|| and
+// e_round the same for bf16(ref), sqrt(e^2 - e_round^2) (a GEMM's error before the output's
+// rounding adds to that rounding in quadrature). Both are printed.
+double error_beyond_rounding(const std::vector<double>& got, const std::vector<double>& ref,
+                             const char* what) {
+  std::vector<double> rounded(ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) rounded[i] = megamoe_test::bf16_value(megamoe_test::bf16_bits(ref[i]));
+  const double e = megamoe_test::relative_error(got, ref);
+  const double e_round = megamoe_test::relative_error(rounded, ref);
+  const double beyond = std::sqrt(std::max(0.0, e * e - e_round * e_round));
+  std::printf("%s: error %.3e, of bf16(exact) %.3e, beyond the rounding %.3e\n", what, e, e_round,
+              beyond);
+  return std::isfinite(e) ? beyond : e;
+}
+
+// An M-grouped FP8 A: its logical rows (dequantized) and the device operand.
+struct Fp8A {
+  std::vector<double> rows;  // [sorted rows, k]
+  megamoe::sm90::MGroupedFp8A device;
+};
+
+// Experts' weights B_e [n, k] with 128 x 128 block scales, stored either [E, n/128, k/128]
+// (W's own layout) or [E, k/128, n/128] (read with swapped strides, as W^T reads W's).
+struct Fp8B {
+  std::vector<double> values;  // [E * n, k]
+  megamoe::sm90::Fp8Weights device;
+};
+
+class Fp8GemmGpu : public megamoe_test::MGroupedGemmTest {
+ protected:
+  Fp8A make_fp8_a(const HostGroups& g, ALayout layout, int64_t k, int64_t tokens,
+                  std::mt19937_64& rng) {
+    const int64_t kb = k / 128;
+    const bool gathered = layout == ALayout::kGathered;
+    const RowLayout rl = layout == ALayout::kPadded ? RowLayout::kPadded : RowLayout::kSorted;
+    const int64_t stored_rows = gathered ? tokens : g.rows_in(rl);
+    const int64_t ld = (stored_rows + 3) / 4 * 4 + 4;  // a scale_ld beyond the rows
+    Quantized qa = random_quantized(stored_rows * k, kb * ld,
+                                    [&](int64_t i) { return (i % k) / 128 * ld + i / k; }, rng, 1.0);
+    Fp8A a;
+    a.rows.assign(g.rows * k, 0.0);
+    std::vector<int32_t> index(g.rows);
+    std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(tokens) - 1);
+    for (int64_t r = 0; r < g.rows; ++r) {
+      const int64_t src = gathered ? (index[r] = pick(rng)) : g.row_in(rl, r);
+      for (int64_t j = 0; j < k; ++j) a.rows[r * k + j] = qa.values[src * k + j];
+    }
+    if (!gathered) {
+      // Pad rows hold NaN (0x7F) with NaN scales: no valid output may read them.
+      const std::vector<bool> used = rl == RowLayout::kPadded ? g.padded_rows_used()
+                                                              : std::vector<bool>(g.rows, true);
+      for (int64_t p = 0; p < stored_rows; ++p) {
+        if (used[p]) continue;
+        for (int64_t j = 0; j < k; ++j) qa.q[p * k + j] = 0x7F;
+        for (int64_t b = 0; b < kb; ++b) qa.scales[b * ld + p] = NAN;
+      }
+    }
+    a.device.data = reinterpret_cast<const __nv_fp8_e4m3*>(upload(qa.q));
+    a.device.rows = stored_rows;
+    a.device.layout = rl;
+    a.device.gather = gathered ? upload(index) : nullptr;
+    a.device.scales = upload(qa.scales);
+    a.device.scale_ld = ld;
+    return a;
+  }
+
+  Fp8B make_fp8_b(int64_t E, int64_t n, int64_t k, bool transposed_scales, std::mt19937_64& rng) {
+    const int64_t nb = n / 128, kb = k / 128;
+    const auto block_of = [&](int64_t i) {
+      const int64_t e = i / (n * k), row = (i / k) % n, col = i % k;
+      return transposed_scales ? (e * kb + col / 128) * nb + row / 128
+                               : (e * nb + row / 128) * kb + col / 128;
+    };
+    const Quantized qb = random_quantized(E * n * k, E * nb * kb, block_of, rng, 1.0 / std::sqrt(k));
+    Fp8B b;
+    b.values = qb.values;
+    b.device.data = reinterpret_cast<const __nv_fp8_e4m3*>(upload(qb.q));
+    b.device.scales = upload(qb.scales);
+    b.device.s_expert = nb * kb;
+    b.device.s_n = transposed_scales ? 1 : kb;
+    b.device.s_k = transposed_scales ? nb : 1;
+    return b;
+  }
+
+  megamoe::sm90::MGroupedFp8GemmArgs fp8_args(const HostGroups& g, const Fp8A& a, const Fp8B& b,
+                                              int64_t k, int64_t n, int64_t c_cols, RowLayout c) {
+    megamoe::sm90::MGroupedFp8GemmArgs args;
+    args.groups = upload_groups(g);
+    args.a = a.device;
+    args.b = b.device;
+    args.k = k;
+    args.n = n;
+    const int64_t c_rows = g.rows_in(c);
+    args.c = {poisoned_bf16(c_rows * c_cols), c_cols, c_rows, c};
+    return args;
+  }
+};
+
+struct Fp8Case {
+  ALayout a;
+  RowLayout c;
+  bool transposed_scales;
+};
+std::string fp8_case_name(const ::testing::TestParamInfo<Fp8Case>& info) {
+  const Fp8Case& p = info.param;
+  return megamoe_test::name_of(p.a) + "_C" + megamoe_test::name_of(p.c) +
+         (p.transposed_scales ? "_WTscales" : "_Wscales");
+}
+void PrintTo(const Fp8Case& p, std::ostream* os) {
+  *os << fp8_case_name(::testing::TestParamInfo<Fp8Case>(p, 0));
+}
+std::vector<Fp8Case> fp8_cases() {
+  std::vector<Fp8Case> cases;
+  for (ALayout a : {ALayout::kSorted, ALayout::kPadded, ALayout::kGathered}) {
+    for (RowLayout c : {RowLayout::kSorted, RowLayout::kPadded}) {
+      cases.push_back({a, c, a == ALayout::kPadded});
+    }
+  }
+  return cases;
+}
+
+class Fp8StoreGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {};
+
+TEST_P(Fp8StoreGpu, MatchesDequantizedProduct) {
+  const Fp8Case& p = GetParam();
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const HostGroups g(megamoe_test::awkward_counts());
+  const int64_t K = 640, N = 384, E = g.num_experts();  // 5 k-blocks, 3 N-tiles
+  const Fp8A a = make_fp8_a(g, p.a, K, 300, rng);
+  const Fp8B b = make_fp8_b(E, N, K, p.transposed_scales, rng);
+  const auto args = fp8_args(g, a, b, K, N, N, p.c);
+  megamoe::sm90::m_grouped_fp8_gemm_nt(args, stream_);
+  CUDA_OK(cudaGetLastError());
+  const std::vector<uint16_t> c = download_bf16(args.c.data, args.c.rows * N);
+  const std::vector<double> ref = megamoe_test::grouped_product(g, a.rows, b.values, K, N, false);
+  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(c, g, p.c, N), ref, "C"),
+            kFp8GemmBound);
+  if (p.c == RowLayout::kPadded) {
+    EXPECT_EQ(megamoe_test::bad_pad_elements(c, g, N, megamoe_test::is_poison), 0);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Variants, Fp8StoreGpu, ::testing::ValuesIn(fp8_cases()), fp8_case_name);
+
+class Fp8SwiGLUGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {};
+
+TEST_P(Fp8SwiGLUGpu, MatchesDequantizedProduct) {
+  const Fp8Case& p = GetParam();
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const HostGroups g(megamoe_test::awkward_counts());
+  const int64_t H = 384, I = 256, E = g.num_experts();  // gate blocks 0, 0, 1, 1 per expert
+  const Fp8A x = make_fp8_a(g, p.a, H, 300, rng);
+  const Fp8B w = make_fp8_b(E, 2 * I, H, p.transposed_scales, rng);
+  const auto args = fp8_args(g, x, w, H, I, I, p.c);
+  __nv_bfloat16* h = poisoned_bf16(args.c.rows * 2 * I);
+  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu(args, h, stream_);
+  CUDA_OK(cudaGetLastError());
+  const std::vector<double> ref_h = megamoe_test::grouped_product(g, x.rows, w.values, H, 2 * I, false);
+  std::vector<double> ref_out(g.rows * I);
+  for (int64_t r = 0; r < g.rows; ++r) {
+    for (int64_t c = 0; c < I; ++c) {
+      const double gate = ref_h[r * 2 * I + c], up = ref_h[r * 2 * I + I + c];
+      ref_out[r * I + c] = gate * sigmoid(gate) * up;
+    }
+  }
+  const std::vector<uint16_t> out = download_bf16(args.c.data, args.c.rows * I);
+  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(out, g, p.c, I), ref_out, "silu(g) u"),
+            kFp8GemmBound);
+  const std::vector<uint16_t> hv = download_bf16(h, args.c.rows * 2 * I);
+  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(hv, g, p.c, 2 * I), ref_h, "h"),
+            kFp8GemmBound);
+  if (p.c == RowLayout::kPadded) {
+    EXPECT_EQ(megamoe_test::bad_pad_elements(out, g, I, megamoe_test::is_poison), 0);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUGpu, ::testing::ValuesIn(fp8_cases()), fp8_case_name);
+
+class Fp8SwiGLUBackwardGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {};
+
+TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
+  const Fp8Case& p = GetParam();
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const HostGroups g(megamoe_test::awkward_counts());
+  const int64_t H = 384, I = 256, E = g.num_experts();
+  const Fp8A dy = make_fp8_a(g, p.a, H, 300, rng);
+  const Fp8B w_t = make_fp8_b(E, I, H, p.transposed_scales, rng);  // W_down^T [E, I, H]
+  const std::vector<uint16_t> h = megamoe_test::random_bf16(g.rows * 2 * I, rng, 1.5);
+  const std::vector<double> hv = megamoe_test::bf16_values(h);
+  const int64_t slots = 2 * g.rows;
+  std::vector<float> weights(slots);
+  std::uniform_real_distribution<float> uniform(0.05f, 1.f);
+  for (auto& v : weights) v = uniform(rng);
+  std::vector<int32_t> row_slot(slots);
+  for (int64_t s = 0; s < slots; ++s) row_slot[s] = static_cast<int32_t>(s);
+  std::shuffle(row_slot.begin(), row_slot.end(), rng);
+  row_slot.resize(g.rows);
+
+  const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
+  const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I);
+  float* dp = alloc<float>(g.rows * dp_cols);
+  CUDA_OK(cudaMemset(dp, 0xFF, g.rows * dp_cols * sizeof(float)));
+  megamoe::sm90::SwiGLUGradArgs grads;
+  grads.h = reinterpret_cast<const __nv_bfloat16*>(upload(h));
+  grads.slot_weights = upload(weights);
+  grads.row_slot = upload(row_slot);
+  grads.dp_partial = dp;
+  grads.a_out = poisoned_bf16(args.c.rows * I);
+  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, stream_);
+  CUDA_OK(cudaGetLastError());
+
+  const std::vector<double> z = megamoe_test::grouped_product(g, dy.rows, w_t.values, H, I, false);
+  std::vector<double> ref_dh(g.rows * 2 * I), ref_a(g.rows * I), ref_dp(g.rows * dp_cols, 0.0);
+  for (int64_t r = 0; r < g.rows; ++r) {
+    const double weight = weights[row_slot[r]];
+    for (int64_t c = 0; c < I; ++c) {
+      const double gate = hv[r * 2 * I + c], up = hv[r * 2 * I + I + c], zc = z[r * I + c];
+      const double sig = sigmoid(gate), da = weight * zc;
+      ref_dh[r * 2 * I + c] = da * up * sig * (1.0 + gate * (1.0 - sig));
+      ref_dh[r * 2 * I + I + c] = da * gate * sig;
+      ref_a[r * I + c] = gate * sig * up;
+      ref_dp[r * dp_cols + c / 128] += zc * ref_a[r * I + c];
+    }
+  }
+  const std::vector<uint16_t> dh = download_bf16(args.c.data, args.c.rows * 2 * I);
+  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I), ref_dh, "dh"),
+            kFp8GemmBound);
+  const std::vector<float> dp_got = download(dp, g.rows * dp_cols);
+  const double dp_err =
+      megamoe_test::relative_error(std::vector<double>(dp_got.begin(), dp_got.end()), ref_dp);
+  std::printf("dp partials (fp32): error %.3e\n", dp_err);
+  EXPECT_LT(dp_err, kFp8GemmBound);
+  const std::vector<uint16_t> a = download_bf16(grads.a_out, args.c.rows * I);
+  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(a, g, p.c, I), ref_a, "a"),
+            kFp8GemmBound);
+  if (p.c == RowLayout::kPadded) {
+    EXPECT_EQ(megamoe_test::bad_pad_elements(dh, g, 2 * I, megamoe_test::is_zero), 0) << "dh";
+    EXPECT_EQ(megamoe_test::bad_pad_elements(a, g, I, megamoe_test::is_zero), 0) << "a";
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUBackwardGpu, ::testing::ValuesIn(fp8_cases()),
+                         fp8_case_name);
+
+class Fp8WeightGradGpu : public megamoe_test::GpuTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(Fp8WeightGradGpu, MatchesDequantizedProduct) {
+  const bool accumulate = GetParam();
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const HostGroups g(megamoe_test::awkward_counts());
+  const int64_t M = 256, N = 384, E = g.num_experts(), P = g.padded_rows, PB = P / 128;
+  // a_t [M, P] and b_t [N, P] token-contiguous; scales [P / 128, M] and [P / 128, N].
+  Quantized a = random_quantized(M * P, PB * M, [&](int64_t i) { return (i % P) / 128 * M + i / P; },
+                                 rng, 1.0);
+  Quantized b = random_quantized(N * P, PB * N, [&](int64_t i) { return (i % P) / 128 * N + i / P; },
+                                 rng, 1.0 / 16);
+  // Pad rows (tokens) are zeros, as the quantizer writes them.
+  const std::vector<bool> used = g.padded_rows_used();
+  for (int64_t r = 0; r < P; ++r) {
+    if (used[r]) continue;
+    for (int64_t i = 0; i < M; ++i) a.q[i * P + r] = 0, a.values[i * P + r] = 0;
+    for (int64_t j = 0; j < N; ++j) b.q[j * P + r] = 0, b.values[j * P + r] = 0;
+  }
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<float> c0(E * M * N);
+  for (auto& v : c0) v = static_cast<float>(normal(rng));
+
+  megamoe::sm90::KGroupedFp8GemmArgs args;
+  args.a_t = reinterpret_cast<const __nv_fp8_e4m3*>(upload(a.q));
+  args.a_scales = upload(a.scales);
+  args.b_t = reinterpret_cast<const __nv_fp8_e4m3*>(upload(b.q));
+  args.b_scales = upload(b.scales);
+  args.padded_rows = P;
+  args.m = M;
+  args.n = N;
+  args.num_experts = E;
+  args.tile_offsets = upload(g.tiles);
+  if (accumulate) {
+    args.c_accumulate = upload(c0);
+  } else {
+    auto* c = alloc<uint16_t>(E * M * N);
+    CUDA_OK(cudaMemset(c, 0xFF, E * M * N * 2));
+    args.c = reinterpret_cast<__nv_bfloat16*>(c);
+  }
+  megamoe::sm90::k_grouped_fp8_gemm_tn(args, stream_);
+  CUDA_OK(cudaGetLastError());
+
+  std::vector<double> ref(E * M * N, 0.0);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t j = 0; j < N; ++j) {
+        double sum = 0;
+        for (int64_t r = int64_t(g.tiles[e]) * 128; r < int64_t(g.tiles[e + 1]) * 128; ++r) {
+          sum += a.values[i * P + r] * b.values[j * P + r];
+        }
+        ref[(e * M + i) * N + j] = sum;
+      }
+    }
+  }
+  if (accumulate) {
+    const std::vector<float> got = download(args.c_accumulate, E * M * N);
+    std::vector<double> delta(got.size());
+    for (size_t i = 0; i < got.size(); ++i) delta[i] = double(got[i]) - double(c0[i]);
+    const double err = megamoe_test::relative_error(delta, ref);
+    std::printf("fp32 dW: error %.3e\n", err);
+    EXPECT_LT(err, kFp8GemmBound);
+  } else {
+    const std::vector<double> got = megamoe_test::bf16_values(download(reinterpret_cast<const uint16_t*>(args.c), E * M * N));
+    EXPECT_LT(error_beyond_rounding(got, ref, "bf16 dW"), kFp8GemmBound);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Outputs, Fp8WeightGradGpu, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("f32add") : std::string("bf16");
+                         });
+
+TEST(Fp8GemmArgs, RejectsBadShapes) {
+  megamoe::sm90::MGroupedFp8GemmArgs args;
+  args.k = 64;  // not a scale block
+  args.n = 128;
+  EXPECT_THROW(megamoe::sm90::m_grouped_fp8_gemm_nt(args, nullptr), megamoe::Error);
+  args.k = 128;
+  args.n = 64;
+  EXPECT_THROW(megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu(args, nullptr, nullptr), megamoe::Error);
+  megamoe::sm90::KGroupedFp8GemmArgs w;
+  w.m = 128;
+  w.n = 128;
+  w.padded_rows = 100;
+  EXPECT_THROW(megamoe::sm90::k_grouped_fp8_gemm_tn(w, nullptr), megamoe::Error);
+}
+
+}  // namespace
