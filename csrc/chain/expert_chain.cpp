@@ -1,7 +1,11 @@
 #include "chain/expert_chain.h"
 
+#include <algorithm>
+
 #include "kernels/common/gather_padded.h"
+#include "kernels/common/quantize_fp8.h"
 #include "kernels/sm90/gemm.h"
+#include "kernels/sm90/gemm_fp8.h"
 
 namespace megamoe::chain {
 namespace {
@@ -29,46 +33,184 @@ sm90::MGroupedA gathered(const Rows& r, const __nv_bfloat16* tokens) {
   return {tokens, r.tokens, RowLayout::kSorted, r.plan.row_token};
 }
 
+// ---- FP8 ------------------------------------------------------------------------------
+
+// Scale rows start 16-byte aligned for the GEMMs' TMA loads of them.
+int64_t scale_ld(int64_t rows) { return (rows + 3) / 4 * 4; }
+
+Fp8Rows carve_rows(WorkspaceCarver& c, int64_t rows, int64_t cols) {
+  Fp8Rows r;
+  r.scale_ld = scale_ld(rows);
+  r.q = c.take<__nv_fp8_e4m3>(rows * cols);
+  r.scales = c.take<float>(cols / 128 * r.scale_ld);
+  return r;
+}
+Fp8Columns carve_columns(WorkspaceCarver& c, int64_t padded_rows, int64_t cols) {
+  return {c.take<__nv_fp8_e4m3>(cols * padded_rows), c.take<float>(padded_rows / 128 * cols)};
+}
+
+// x [rows, cols] bf16 (row-major, ld = cols) -> 1x128 blocks.
+void quantize_rows(const __nv_bfloat16* x, int64_t rows, int64_t cols, const Fp8Rows& out,
+                   cudaStream_t stream) {
+  Fp8QuantizeArgs q;
+  q.x = x;
+  q.x_row = cols;
+  q.rows = rows;
+  q.cols = cols;
+  q.q = reinterpret_cast<uint8_t*>(out.q);
+  q.q_row = cols;
+  q.scales = out.scales;
+  q.s_0 = 1;
+  q.s_1 = out.scale_ld;
+  quantize_fp8(Fp8Blocks::kRows1x128, q, stream);
+}
+
+// x [padded_rows, cols] bf16 -> the token-contiguous copy [cols, padded_rows].
+void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
+                      const Fp8Columns& out, cudaStream_t stream) {
+  Fp8QuantizeArgs q;
+  q.x = x;
+  q.x_row = cols;
+  q.rows = padded_rows;
+  q.cols = cols;
+  q.q_t = reinterpret_cast<uint8_t*>(out.q);
+  q.t_row = padded_rows;
+  q.scales = out.scales;
+  q.s_0 = 1;
+  q.s_1 = cols;
+  quantize_fp8(Fp8Blocks::kColumns128, q, stream);
+}
+
+// W [E, N, K] as the B of an nt GEMM (B_e = W_e) or, transposed, of the GEMM that reads it
+// N-major in bf16 (B_e = W_e^T [K, N]): the same scales either way.
+sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t n, int64_t k, bool transposed) {
+  const int64_t nb = n / 128, kb = k / 128;
+  if (!transposed) return {w.q, w.scales, nb * kb, kb, 1};
+  return {w.q_t, w.scales, nb * kb, 1, nb};
+}
+
+sm90::MGroupedFp8GemmArgs fp8_over_rows(const Rows& r, const sm90::MGroupedFp8A& a,
+                                        const sm90::Fp8Weights& b, int64_t k, int64_t n,
+                                        __nv_bfloat16* c) {
+  sm90::MGroupedFp8GemmArgs g;
+  g.groups = {r.num_experts, r.plan.expert_offsets, r.plan.tile_offsets, r.rows};
+  g.a = a;
+  g.b = b;
+  g.k = k;
+  g.n = n;
+  g.c = {c, n, r.rows, RowLayout::kSorted};
+  return g;
+}
+
+// A token matrix's FP8 copy gathered by the GEMM's producer.
+sm90::MGroupedFp8A gathered_fp8(const Rows& r, const Fp8Rows& tokens) {
+  return {tokens.q, r.tokens, RowLayout::kSorted, r.plan.row_token, tokens.scales,
+          tokens.scale_ld};
+}
+
 }  // namespace
 
-ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t H, int64_t I) {
+ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t tokens, int64_t H,
+                             int64_t I, Precision precision) {
   ForwardBuffers b{};
   b.activation = carver.take<__nv_bfloat16>(rows * I);
   b.out = carver.take<__nv_bfloat16>(rows * H);
+  if (precision == Precision::kFp8) {
+    b.x_fp8 = carve_rows(carver, tokens, H);
+    b.activation_fp8 = carve_rows(carver, rows, I);
+  }
   return b;
 }
 
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
              __nv_bfloat16* saved_h, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
+  if (w.fp8_forward()) {
+    quantize_rows(rows.x, rows.tokens, H, b.x_fp8, stream);
+    sm90::m_grouped_fp8_gemm_nt_swiglu(
+        fp8_over_rows(rows, gathered_fp8(rows, b.x_fp8), as_b(w.fp8_gate_up, 2 * I, H, false),
+                      H, I, b.activation),
+        saved_h, stream);
+    quantize_rows(b.activation, rows.rows, I, b.activation_fp8, stream);
+    const sm90::MGroupedFp8A activation{b.activation_fp8.q, rows.rows, RowLayout::kSorted,
+                                        nullptr, b.activation_fp8.scales,
+                                        b.activation_fp8.scale_ld};
+    sm90::m_grouped_fp8_gemm_nt(
+        fp8_over_rows(rows, activation, as_b(w.fp8_down, H, I, false), I, H, b.out), stream);
+    return;
+  }
   sm90::m_grouped_gemm_nt_swiglu(
       over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, I, b.activation), saved_h, stream);
   const sm90::MGroupedA activation{b.activation, rows.rows, RowLayout::kSorted, nullptr};
   sm90::m_grouped_gemm_nt(over_rows(rows, activation, w.w_down, I, H, b.out), stream);
 }
 
-BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t num_experts,
-                               int64_t H, int64_t I, bool h_saved) {
+BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t tokens,
+                               int64_t num_experts, int64_t H, int64_t I, bool h_saved,
+                               Precision precision) {
   BackwardBuffers b{};
   b.padded_rows = padded_rows_bound(rows, num_experts);
-  b.dp_parts = sm90::swiglu_backward_dp_columns(I);
+  const bool fp8 = precision != Precision::kBf16;
+  b.dp_parts = fp8 ? sm90::fp8_swiglu_backward_dp_columns(I) : sm90::swiglu_backward_dp_columns(I);
   b.h = h_saved ? nullptr : carver.take<__nv_bfloat16>(rows * 2 * I);
   b.dh = carver.take<__nv_bfloat16>(b.padded_rows * 2 * I);
   b.a = carver.take<__nv_bfloat16>(b.padded_rows * I);
   b.dp_partial = carver.take<float>(rows * b.dp_parts);
   b.token_rows = carver.take<__nv_bfloat16>(b.padded_rows * H);
+  if (fp8) {
+    b.dy_fp8 = carve_rows(carver, tokens, H);
+    if (precision == Precision::kFp8 && !h_saved) b.x_fp8 = carve_rows(carver, tokens, H);
+    b.dh_fp8 = carve_rows(carver, b.padded_rows, 2 * I);
+    b.lhs_fp8 = carve_columns(carver, b.padded_rows, std::max(H, 2 * I));
+    b.rhs_fp8 = carve_columns(carver, b.padded_rows, std::max(I, H));
+  }
   return b;
 }
+
+namespace {
+
+// The FP8 dgrads: z = dy W_down^T's product with dy quantized (rows gathered) -> dh, a and
+// the dp partials; then dx rows = dh W_gate_up with dh quantized.
+void backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
+                        const BackwardBuffers& b, bool dx_rows, cudaStream_t stream) {
+  const int64_t H = w.hidden, I = w.intermediate;
+  quantize_rows(rows.dy, rows.tokens, H, b.dy_fp8, stream);
+  sm90::MGroupedFp8GemmArgs l2 = fp8_over_rows(rows, gathered_fp8(rows, b.dy_fp8),
+                                               as_b(w.fp8_down, H, I, true), H, I, nullptr);
+  l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
+  sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
+      l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
+  if (!dx_rows) return;
+  quantize_rows(b.dh, b.padded_rows, 2 * I, b.dh_fp8, stream);
+  const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,
+                              b.dh_fp8.scales, b.dh_fp8.scale_ld};
+  sm90::MGroupedFp8GemmArgs l1 = fp8_over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),
+                                               2 * I, H, b.token_rows);
+  l1.groups.rows = b.padded_rows;
+  sm90::m_grouped_fp8_gemm_nt(l1, stream);
+}
+
+}  // namespace
 
 void backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16* saved_h,
                     const BackwardBuffers& b, bool dx_rows, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
   // h = [gate | up] of every row: saved by the forward, or recomputed (x rows gathered).
   const __nv_bfloat16* h = saved_h;
-  if (h == nullptr) {
+  if (h == nullptr && w.fp8_forward()) {  // the forward's FP8 GEMM, bit for bit
+    quantize_rows(rows.x, rows.tokens, H, b.x_fp8, stream);
+    sm90::m_grouped_fp8_gemm_nt(fp8_over_rows(rows, gathered_fp8(rows, b.x_fp8),
+                                              as_b(w.fp8_gate_up, 2 * I, H, false), H, 2 * I, b.h),
+                                stream);
+    h = b.h;
+  } else if (h == nullptr) {
     sm90::m_grouped_gemm_nt(over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, 2 * I, b.h),
                             stream);
     h = b.h;
+  }
+  if (w.fp8_backward()) {
+    backward_dgrad_fp8(rows, w, h, b, dx_rows, stream);
+    return;
   }
 
   // z = w_down^T dy (dy rows gathered, w_down read N-major) -> dh and a, padded since they
@@ -92,6 +234,18 @@ void backward_wgrad(const Rows& rows, const Experts& w, const BackwardBuffers& b
   const int64_t H = w.hidden, I = w.intermediate, E = rows.num_experts;
   const auto wgrad = [&](const __nv_bfloat16* lhs, const __nv_bfloat16* rhs, int64_t m,
                          int64_t n, const WeightGrad& g) {
+    if (w.fp8_backward()) {
+      // Scales per 128 tokens: quantized from the bf16 rows, not from a 1x128 copy.
+      quantize_columns(lhs, b.padded_rows, m, b.lhs_fp8, stream);
+      quantize_columns(rhs, b.padded_rows, n, b.rhs_fp8, stream);
+      sm90::KGroupedFp8GemmArgs args{b.lhs_fp8.q, b.lhs_fp8.scales, b.rhs_fp8.q,
+                                     b.rhs_fp8.scales, b.padded_rows, m, n, E,
+                                     rows.plan.tile_offsets};
+      args.c = g.bf16;
+      args.c_accumulate = g.f32;
+      sm90::k_grouped_fp8_gemm_tn(args, stream);
+      return;
+    }
     sm90::KGroupedGemmArgs args{lhs, rhs, b.padded_rows, m, n, E, rows.plan.tile_offsets};
     args.c = g.bf16;
     args.c_accumulate = g.f32;

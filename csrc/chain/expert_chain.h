@@ -12,9 +12,15 @@
 //             (dh and a padded, per-tile partials of dp); dgrad of L1 -> the dx rows;
 //             then, once the caller has taken the dx rows and dp partials, the weight
 //             gradients (K-grouped over each expert's padded rows).
+// Precision::kFp8 runs every GEMM in blockwise FP8 (kernels/sm90/gemm_fp8.h), kFp8Backward
+// the backward's only. Each GEMM's A is quantized once from bf16 just before it: x and dy
+// as token matrices (before the rows are gathered), the activation and dh as rows, and the
+// weight gradients' operands token-contiguous per 128 rows (quantize_fp8.h). The weights'
+// FP8 copies are the caller's (quantized once per optimizer step).
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -40,12 +46,39 @@ struct Rows {
   const float* slot_weights;  // backward only
 };
 
-// The experts' weights: w_gate_up [E, 2I, H] and w_down [E, H, I] bf16.
+enum class Precision { kBf16, kFp8, kFp8Backward };
+
+// A weight W [E, N, K] quantized per 128 x 128 block: q = W's e4m3 values, q_t = W^T's
+// ([E, K, N]), scales [E, N/128, K/128] (they serve both).
+struct Fp8Weight {
+  const __nv_fp8_e4m3* q = nullptr;
+  const __nv_fp8_e4m3* q_t = nullptr;
+  const float* scales = nullptr;
+};
+
+// The experts' weights: w_gate_up [E, 2I, H] and w_down [E, H, I] bf16, and their FP8
+// copies for the precisions that use them.
 struct Experts {
   const __nv_bfloat16* w_gate_up;
   const __nv_bfloat16* w_down;
   int64_t hidden;        // H, a multiple of 128
   int64_t intermediate;  // I, a multiple of 128
+  Precision precision = Precision::kBf16;
+  Fp8Weight fp8_gate_up = {}, fp8_down = {};
+  bool fp8_forward() const { return precision == Precision::kFp8; }
+  bool fp8_backward() const { return precision != Precision::kBf16; }
+};
+
+// An e4m3 matrix with 1x128 scales, the scale of row r's block j at scales[j * scale_ld + r].
+struct Fp8Rows {
+  __nv_fp8_e4m3* q = nullptr;
+  float* scales = nullptr;
+  int64_t scale_ld = 0;
+};
+// A token-contiguous e4m3 copy [C, padded_rows] with scales [padded_rows / 128, C].
+struct Fp8Columns {
+  __nv_fp8_e4m3* q = nullptr;
+  float* scales = nullptr;
 };
 
 // A weight gradient: written in bf16 into `bf16`, or added into the fp32 buffer `f32`
@@ -70,8 +103,11 @@ struct WeightGrad {
 struct ForwardBuffers {
   __nv_bfloat16* activation;  // [rows, I] silu(gate) * up
   __nv_bfloat16* out;         // [rows, H] the L2 output rows
+  Fp8Rows x_fp8;              // kFp8: x [tokens, H]
+  Fp8Rows activation_fp8;     // kFp8: [rows, I]
 };
-ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t H, int64_t I);
+ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t tokens, int64_t H,
+                             int64_t I, Precision precision = Precision::kBf16);
 
 // saved_h: null, or [rows, 2I] that receives h = [gate | up] for a backward in saved mode.
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
@@ -91,9 +127,15 @@ struct BackwardBuffers {
   __nv_bfloat16* token_rows;
   int64_t padded_rows;
   int64_t dp_parts;         // partials of dp per row: one per N-tile of I
+  // FP8 backward: dy (and x for an FP8 recompute) as token matrices, dh as rows, and the
+  // weight gradients' operands, reused by both gradients in stream order: lhs [max(H, 2I),
+  // padded_rows] (p dy, then dh), rhs [max(I, H), padded_rows] (a, then x).
+  Fp8Rows dy_fp8, x_fp8, dh_fp8;
+  Fp8Columns lhs_fp8, rhs_fp8;
 };
-BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t num_experts,
-                               int64_t H, int64_t I, bool h_saved);
+BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t tokens,
+                               int64_t num_experts, int64_t H, int64_t I, bool h_saved,
+                               Precision precision = Precision::kBf16);
 
 // L1 recompute (unless saved_h, the forward's h for the same rows), dgrad of L2 with the
 // SwiGLU backward, and, when dx_rows, dgrad of L1 into b.token_rows. Afterwards, in stream

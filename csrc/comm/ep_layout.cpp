@@ -67,12 +67,12 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
   w.token_count = c.take<int32_t>(comm::kMaxRanks);
   w.block_counts = c.take<int32_t>((T + kPlanThreads - 1) / kPlanThreads * W);
   if (pass == Pass::kForward) {
-    w.forward = chain::carve_forward(c, R, g.hidden, I);
+    w.forward = chain::carve_forward(c, R, R, g.hidden, I);
   } else {
     w.identity = c.take<int32_t>(R);
     w.dp_rows = c.take<float>(R);
     w.backward =
-        chain::carve_backward(c, R, e_local, g.hidden, I, pass == Pass::kBackwardSavedH);
+        chain::carve_backward(c, R, R, e_local, g.hidden, I, pass == Pass::kBackwardSavedH);
   }
   return w;
 }

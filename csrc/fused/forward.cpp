@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/layer_shape.h"
 #include "core/tensor_check.h"
+#include "fused/entries.h"
 #include "fused/layer.h"
 #include "kernels/common/device.h"
 
@@ -49,6 +50,29 @@ void check_forward_inputs(const megamoe_tensor* x, const megamoe_tensor* ids,
 
 }  // namespace
 
+namespace megamoe::fused {
+
+void run_forward(const megamoe_tensor* x, const megamoe_tensor* topk_ids,
+                 const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
+                 const megamoe_tensor* w_down, megamoe_tensor* y, megamoe_tensor* saved_h,
+                 void* workspace, size_t workspace_bytes, void* cuda_stream,
+                 const Fp8Experts& fp8) {
+  const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
+  check_token_rows(y, "y", s);
+  if (saved_h != nullptr) check_saved_h(*saved_h, s);
+  check_forward_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, y, saved_h);
+  forward(static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
+          topk_ids->dtype == MEGAMOE_DTYPE_INT64, topk_weights->data,
+          topk_weights->dtype == MEGAMOE_DTYPE_BFLOAT16,
+          static_cast<const __nv_bfloat16*>(w_gate_up->data),
+          static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.k, s.H, s.I, s.E,
+          static_cast<__nv_bfloat16*>(y->data),
+          saved_h != nullptr ? static_cast<__nv_bfloat16*>(saved_h->data) : nullptr, workspace,
+          workspace_bytes, static_cast<cudaStream_t>(cuda_stream), fp8);
+}
+
+}  // namespace megamoe::fused
+
 extern "C" {
 
 MEGAMOE_API megamoe_status megamoe_fused_workspace_size(int64_t tokens, int64_t topk,
@@ -69,18 +93,8 @@ MEGAMOE_API megamoe_status megamoe_fused_forward(const megamoe_tensor* x,
                                                  megamoe_tensor* saved_h, void* workspace, size_t workspace_bytes,
                                                  void* cuda_stream) {
   return abi_call("megamoe_fused_forward", [&] {
-    const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
-    check_token_rows(y, "y", s);
-    if (saved_h != nullptr) check_saved_h(*saved_h, s);
-    check_forward_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, y, saved_h);
-    fused::forward(static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
-                   topk_ids->dtype == MEGAMOE_DTYPE_INT64, topk_weights->data,
-                   topk_weights->dtype == MEGAMOE_DTYPE_BFLOAT16,
-                   static_cast<const __nv_bfloat16*>(w_gate_up->data),
-                   static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.k, s.H, s.I, s.E,
-                   static_cast<__nv_bfloat16*>(y->data),
-                   saved_h != nullptr ? static_cast<__nv_bfloat16*>(saved_h->data) : nullptr,
-                   workspace, workspace_bytes, static_cast<cudaStream_t>(cuda_stream));
+    fused::run_forward(x, topk_ids, topk_weights, w_gate_up, w_down, y, saved_h, workspace,
+                       workspace_bytes, cuda_stream, {});
     return MEGAMOE_SUCCESS;
   });
 }

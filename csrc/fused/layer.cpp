@@ -28,22 +28,24 @@ struct Workspace {
 
 // Shared by the size queries (a counting carver) and the calls.
 Workspace carve(WorkspaceCarver& c, int64_t T, int64_t k, int64_t H, int64_t I, int64_t E,
-                Pass pass) {
+                Pass pass, chain::Precision precision) {
   check_sizes(T, k, H, I, E);
   Workspace w{};
   w.plan = carve_routing_plan(c, T * k, E);
   if (pass == Pass::kForward) {
-    w.forward = chain::carve_forward(c, T * k, H, I);
+    w.forward = chain::carve_forward(c, T * k, T, H, I, precision);
   } else {
-    w.backward = chain::carve_backward(c, T * k, E, H, I, pass == Pass::kBackwardSavedH);
+    w.backward = chain::carve_backward(c, T * k, T, E, H, I, pass == Pass::kBackwardSavedH,
+                                       precision);
   }
   return w;
 }
 
 Workspace carve_checked(void* workspace, size_t bytes, int64_t T, int64_t k, int64_t H,
-                        int64_t I, int64_t E, Pass pass, const char* size_query) {
+                        int64_t I, int64_t E, Pass pass, chain::Precision precision,
+                        const char* size_query) {
   WorkspaceCarver c(workspace, bytes);
-  const Workspace w = carve(c, T, k, H, I, E, pass);
+  const Workspace w = carve(c, T, k, H, I, E, pass, precision);
   c.require_fits(size_query);
   c.require_aligned_base();
   return w;
@@ -62,6 +64,15 @@ chain::Rows rows_of(const RoutingPlan& plan, int64_t T, int64_t k, int64_t E,
   r.dy = dy;
   r.slot_weights = topk_weights;
   return r;
+}
+
+chain::Experts experts_of(const __nv_bfloat16* w_gate_up, const __nv_bfloat16* w_down, int64_t H,
+                          int64_t I, const Fp8Experts& fp8) {
+  chain::Experts e{w_gate_up, w_down, H, I};
+  e.precision = fp8.precision;
+  e.fp8_gate_up = fp8.gate_up;
+  e.fp8_down = fp8.down;
+  return e;
 }
 
 }  // namespace
@@ -85,16 +96,17 @@ void check_sizes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E) {
   }
 }
 
-size_t forward_workspace_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E) {
+size_t forward_workspace_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E,
+                               chain::Precision precision) {
   WorkspaceCarver c;
-  carve(c, T, k, H, I, E, Pass::kForward);
+  carve(c, T, k, H, I, E, Pass::kForward, precision);
   return c.bytes();
 }
 
 size_t backward_workspace_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E,
-                                bool h_saved) {
+                                bool h_saved, chain::Precision precision) {
   WorkspaceCarver c;
-  carve(c, T, k, H, I, E, h_saved ? Pass::kBackwardSavedH : Pass::kBackward);
+  carve(c, T, k, H, I, E, h_saved ? Pass::kBackwardSavedH : Pass::kBackward, precision);
   return c.bytes();
 }
 
@@ -102,16 +114,19 @@ void forward(const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
              const void* topk_weights, bool weights_are_bf16, const __nv_bfloat16* w_gate_up,
              const __nv_bfloat16* w_down, int64_t T, int64_t k, int64_t H, int64_t I,
              int64_t E, __nv_bfloat16* y, __nv_bfloat16* saved_h, void* workspace,
-             size_t workspace_bytes, cudaStream_t stream) {
+             size_t workspace_bytes, cudaStream_t stream, const Fp8Experts& fp8) {
   const Workspace w = carve_checked(workspace, workspace_bytes, T, k, H, I, E, Pass::kForward,
-                                    "megamoe_fused_workspace_size");
+                                    fp8.precision,
+                                    fp8.precision == chain::Precision::kBf16
+                                        ? "megamoe_fused_workspace_size"
+                                        : "megamoe_fused_fp8_workspace_size");
   if (T == 0) return;
   const RoutingPlan& plan = w.plan.plan;
   build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGemmBlockM, plan,
                      w.plan.scratch, stream);
   // The forward reads no router weight: they are applied by the combine.
-  chain::forward(rows_of(plan, T, k, E, x, nullptr, nullptr), {w_gate_up, w_down, H, I},
-                 w.forward, saved_h, stream);
+  chain::forward(rows_of(plan, T, k, E, x, nullptr, nullptr),
+                 experts_of(w_gate_up, w_down, H, I, fp8), w.forward, saved_h, stream);
   combine_rows(w.forward.out, H, plan.slot_row, topk_weights, weights_are_bf16, T, k, y,
                stream);
 }
@@ -120,11 +135,14 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
               bool ids_are_int64, const float* topk_weights, const __nv_bfloat16* w_gate_up,
               const __nv_bfloat16* w_down, const __nv_bfloat16* saved_h, int64_t T, int64_t k,
               int64_t H, int64_t I, int64_t E, const BackwardOutputs& out, void* workspace,
-              size_t workspace_bytes, cudaStream_t stream) {
+              size_t workspace_bytes, cudaStream_t stream, const Fp8Experts& fp8) {
   const Workspace w =
       carve_checked(workspace, workspace_bytes, T, k, H, I, E,
                     saved_h != nullptr ? Pass::kBackwardSavedH : Pass::kBackward,
-                    "megamoe_fused_backward_workspace_size");
+                    fp8.precision,
+                    fp8.precision == chain::Precision::kBf16
+                        ? "megamoe_fused_backward_workspace_size"
+                        : "megamoe_fused_fp8_backward_workspace_size");
   if (T == 0) {  // no rows: bf16 weight gradients are zeros, fp32 ones get nothing added
     if (out.d_w_gate_up.bf16 != nullptr) {
       MEGAMOE_CUDA_CHECK(cudaMemsetAsync(out.d_w_gate_up.bf16, 0, E * 2 * I * H * 2, stream));
@@ -138,7 +156,7 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
   build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGemmBlockM, plan,
                      w.plan.scratch, stream);
   const chain::Rows rows = rows_of(plan, T, k, E, x, dy, topk_weights);
-  const chain::Experts experts{w_gate_up, w_down, H, I};
+  const chain::Experts experts = experts_of(w_gate_up, w_down, H, I, fp8);
   const chain::BackwardBuffers& b = w.backward;
   chain::backward_dgrad(rows, experts, saved_h, b, out.dx != nullptr, stream);
   if (out.dx != nullptr) {

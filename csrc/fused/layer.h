@@ -21,10 +21,18 @@ namespace megamoe::fused {
 // 1 <= E <= 1024 and T*k fits the kernels' int32 row indices.
 void check_sizes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E);
 
+// The experts' GEMM precision and, for the FP8 ones, the weights' FP8 copies.
+struct Fp8Experts {
+  chain::Precision precision = chain::Precision::kBf16;
+  chain::Fp8Weight gate_up, down;
+};
+
 // Bytes of device workspace of one call (checks the sizes first).
-size_t forward_workspace_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E);
+size_t forward_workspace_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E,
+                               chain::Precision precision = chain::Precision::kBf16);
 size_t backward_workspace_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t E,
-                                bool h_saved);
+                                bool h_saved,
+                                chain::Precision precision = chain::Precision::kBf16);
 
 // x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I] bf16; topk_ids [T, k] int32/int64;
 // topk_weights [T, k] fp32, or bf16 when weights_are_bf16; y [T, H] bf16. saved_h: null, or
@@ -34,7 +42,7 @@ void forward(const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
              const void* topk_weights, bool weights_are_bf16, const __nv_bfloat16* w_gate_up,
              const __nv_bfloat16* w_down, int64_t T, int64_t k, int64_t H, int64_t I,
              int64_t E, __nv_bfloat16* y, __nv_bfloat16* saved_h, void* workspace,
-             size_t workspace_bytes, cudaStream_t stream);
+             size_t workspace_bytes, cudaStream_t stream, const Fp8Experts& fp8 = {});
 
 struct BackwardOutputs {
   __nv_bfloat16* dx;              // [T, H], or null to skip
@@ -50,6 +58,6 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
               bool ids_are_int64, const float* topk_weights, const __nv_bfloat16* w_gate_up,
               const __nv_bfloat16* w_down, const __nv_bfloat16* saved_h, int64_t T, int64_t k,
               int64_t H, int64_t I, int64_t E, const BackwardOutputs& out, void* workspace,
-              size_t workspace_bytes, cudaStream_t stream);
+              size_t workspace_bytes, cudaStream_t stream, const Fp8Experts& fp8 = {});
 
 }  // namespace megamoe::fused

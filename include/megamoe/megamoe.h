@@ -222,6 +222,51 @@ MEGAMOE_API megamoe_status megamoe_fused_backward(
     void* workspace, size_t workspace_bytes, void* cuda_stream);
 
 /* ---------------------------------------------------------------------------------------
+ * Fused layer on one GPU in blockwise FP8 (sm_90a; docs/fp8.md): the same layer, inputs,
+ * outputs and contracts as megamoe_fused_*, with the expert GEMMs in e4m3 with fp32 scales
+ * (activations and their gradients per 1x128 block, quantized inside the call; weights per
+ * 128 x 128 block; the weight gradients' operands per 128 tokens). The bf16 weights give
+ * the shapes; the GEMMs read the weights' FP8 copies, as megamoe_quantize_fp8_128x128
+ * writes them:
+ *   w_gate_up_q [E, 2I, H], w_gate_up_q_t [E, H, 2I] FLOAT8_E4M3, w_gate_up_scales
+ *   [E, 2I/128, H/128] FLOAT32; w_down_q [E, H, I], w_down_q_t [E, I, H], w_down_scales
+ *   [E, H/128, I/128].
+ * The forward reads q and scales, the backward q_t and scales (and w_gate_up_q, to
+ * recompute L1 in FP8). The results are bitwise reproducible run to run; no host sync; capturable.
+ * ------------------------------------------------------------------------------------- */
+
+MEGAMOE_API megamoe_status megamoe_fused_fp8_workspace_size(int64_t tokens, int64_t topk,
+                                                            int64_t hidden,
+                                                            int64_t intermediate,
+                                                            int64_t num_experts, size_t* bytes);
+
+/* precision "fp8": the forward's two GEMMs in FP8. saved_h as in megamoe_fused_forward. */
+MEGAMOE_API megamoe_status megamoe_fused_fp8_forward(
+    const megamoe_tensor* x, const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
+    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down,
+    const megamoe_tensor* w_gate_up_q, const megamoe_tensor* w_gate_up_scales,
+    const megamoe_tensor* w_down_q, const megamoe_tensor* w_down_scales, megamoe_tensor* y,
+    megamoe_tensor* saved_h, void* workspace, size_t workspace_bytes, void* cuda_stream);
+
+/* forward_fp8: nonzero when the forward ran in FP8 (precision "fp8": L1 is recomputed in
+ * FP8, as the forward computed it); zero for "fp8_bwd" (bf16 forward and recompute). */
+MEGAMOE_API megamoe_status megamoe_fused_fp8_backward_workspace_size(
+    int64_t tokens, int64_t topk, int64_t hidden, int64_t intermediate, int64_t num_experts,
+    int32_t h_saved, int32_t forward_fp8, size_t* bytes);
+
+/* The backward's GEMMs in FP8 (precisions "fp8" and "fp8_bwd"); arguments and outputs as
+ * in megamoe_fused_backward. */
+MEGAMOE_API megamoe_status megamoe_fused_fp8_backward(
+    const megamoe_tensor* dy, const megamoe_tensor* x, const megamoe_tensor* topk_ids,
+    const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
+    const megamoe_tensor* w_down, const megamoe_tensor* w_gate_up_q,
+    const megamoe_tensor* w_gate_up_q_t, const megamoe_tensor* w_gate_up_scales,
+    const megamoe_tensor* w_down_q_t, const megamoe_tensor* w_down_scales, int32_t forward_fp8,
+    const megamoe_tensor* saved_h,
+    megamoe_tensor* dx, megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up,
+    megamoe_tensor* d_w_down, void* workspace, size_t workspace_bytes, void* cuda_stream);
+
+/* ---------------------------------------------------------------------------------------
  * Fused layer with expert parallelism over the GPUs of one node (sm_90a, NVLink). Rank r of world_size W owns global experts [r*E/W, (r+1)*E/W).
  * Every rank holds one buffer of at least megamoe_ep_buffer_size() bytes, zeroed once at
  * creation and mapped into every rank's address space (torch symmetric memory);

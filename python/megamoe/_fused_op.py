@@ -149,13 +149,169 @@ def _backward(ctx, dy, _dh):
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---- blockwise FP8 (docs/fp8.md) --------------------------------------------------------
+# The ops take the weights' FP8 copies as inputs (values, values^T, scales of w_gate_up and
+# of w_down), so that a traced or captured graph sees them; forward_fp8 says whether the
+# forward runs in FP8 ("fp8") or in bf16 with an FP8 backward ("fp8_bwd").
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_workspace_bytes(T: int, k: int, H: int, I: int, E: int) -> int:
+    return _lib.call_for_size("megamoe_fused_fp8_workspace_size", T, k, H, I, E)
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_backward_workspace_bytes(T: int, k: int, H: int, I: int, E: int, h_saved: bool,
+                                 forward_fp8: bool) -> int:
+    return _lib.call_for_size("megamoe_fused_fp8_backward_workspace_size", T, k, H, I, E,
+                              int(h_saved), int(forward_fp8))
+
+
+@torch.library.custom_op("megamoe::fused_moe_fp8_forward", mutates_args=())
+def fused_moe_fp8_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
+                          w_down: Tensor, gate_up_q: Tensor, gate_up_q_t: Tensor,
+                          gate_up_scales: Tensor, down_q: Tensor, down_q_t: Tensor,
+                          down_scales: Tensor, forward_fp8: bool, save_h: bool,
+                          acc_gate_up: Optional[Tensor], acc_down: Optional[Tensor]
+                          ) -> tuple[Tensor, Tensor]:
+    """As fused_moe_forward, in FP8 when forward_fp8 (else the bf16 forward, whose backward
+    runs in FP8)."""
+    if not forward_fp8:
+        return fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h,
+                                 acc_gate_up, acc_down)
+    T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
+    y = torch.empty_like(x)
+    h = x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x)
+    with torch.cuda.device(x.device):
+        nbytes = fp8_workspace_bytes(T, k, H, I, E)
+        workspace = _lib.workspace(nbytes, x.device)
+        d = [_lib.describe(t) for t in (x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q,
+                                        gate_up_scales, down_q, down_scales, y)]
+        d.append(_lib.describe(h) if save_h else None)
+        _lib.call("megamoe_fused_fp8_forward", *(_lib.ref(v) for v in d),
+                  ctypes.c_void_p(workspace.data_ptr()), nbytes, _lib.stream(x.device))
+    return y, h
+
+
+@fused_moe_fp8_forward.register_fake
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t, gate_up_scales,
+      down_q, down_q_t, down_scales, forward_fp8, save_h, acc_gate_up, acc_down):
+    T, k, _, I, _ = _sizes(x, topk_ids, w_gate_up)
+    return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
+
+
+@torch.library.custom_op("megamoe::fused_moe_fp8_backward",
+                         mutates_args=("acc_gate_up", "acc_down"))
+def fused_moe_fp8_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                           w_gate_up: Tensor, w_down: Tensor, gate_up_q: Tensor,
+                           gate_up_q_t: Tensor, gate_up_scales: Tensor, down_q_t: Tensor,
+                           down_scales: Tensor, forward_fp8: bool, saved_h: Tensor,
+                           needs: list[bool], acc_gate_up: Optional[Tensor],
+                           acc_down: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """As fused_moe_backward, with the backward's GEMMs in FP8."""
+    T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
+    h_saved = saved_h.numel() > 0
+    grads = grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down)
+    targets = grad_targets(grads, acc_gate_up, acc_down)
+    needs = [needs[0], needs[1], needs[2] or acc_gate_up is not None,
+             needs[3] or acc_down is not None]
+    with torch.cuda.device(x.device):
+        nbytes = fp8_backward_workspace_bytes(T, k, H, I, E, h_saved, forward_fp8)
+        workspace = _lib.workspace(nbytes, x.device)
+        d = [_lib.describe(t) for t in (dy, x, topk_ids, topk_weights, w_gate_up, w_down,
+                                        gate_up_q, gate_up_q_t, gate_up_scales, down_q_t,
+                                        down_scales)]
+        tail = [_lib.describe(saved_h) if h_saved else None]
+        tail += [_lib.describe(t) if need else None for t, need in zip(targets, needs)]
+        _lib.call("megamoe_fused_fp8_backward", *(_lib.ref(v) for v in d), int(forward_fp8),
+                  *(_lib.ref(v) for v in tail), ctypes.c_void_p(workspace.data_ptr()), nbytes,
+                  _lib.stream(x.device))
+    return tuple(grads)
+
+
+@fused_moe_fp8_backward.register_fake
+def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t, gate_up_scales,
+      down_q_t, down_scales, forward_fp8, saved_h, needs, acc_gate_up, acc_down):
+    return tuple(grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down))
+
+
+def _setup_context_fp8(ctx, inputs, output):
+    (x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t, gate_up_scales,
+     _down_q, down_q_t, down_scales, forward_fp8, _, acc_gate_up, acc_down) = inputs
+    _, h = output
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
+    ctx.weights_dtype = topk_weights.dtype
+    ctx.forward_fp8 = forward_fp8
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t,
+                          gate_up_scales, down_q_t, down_scales, h, acc_gate_up, acc_down)
+
+
+def _backward_fp8(ctx, dy, _dh):
+    (x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t, gate_up_scales,
+     down_q_t, down_scales, h, acc_gate_up, acc_down) = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
+    dx, dp, dw1, dw2 = fused_moe_fp8_backward(
+        dy.to(x.dtype).contiguous(), x, topk_ids, topk_weights.float().contiguous(), w_gate_up,
+        w_down, gate_up_q, gate_up_q_t, gate_up_scales, down_q_t, down_scales, ctx.forward_fp8,
+        h, needs, acc_gate_up, acc_down)
+    return (dx if needs[0] else None, None,
+            dp.to(ctx.weights_dtype) if needs[1] else None,
+            dw1 if needs[2] and acc_gate_up is None else None,
+            dw2 if needs[3] and acc_down is None else None) + (None,) * 10
+
+
+fused_moe_fp8_forward.register_autograd(_backward_fp8, setup_context=_setup_context_fp8)
+
+@torch.library.custom_op("megamoe::quantize_fp8_weight", mutates_args=())
+def quantize_fp8_weight(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(values, values^T, scales) of a bf16 weight [E, N, K] in 128 x 128 blocks."""
+    from .weight_cache import default_quantizer
+    copy = default_quantizer(weight, True)
+    return copy.values, copy.values_t, copy.scales
+
+
+@quantize_fp8_weight.register_fake
+def _(weight):
+    E, N, K = weight.shape
+    return (weight.new_empty((E, N, K), dtype=torch.float8_e4m3fn),
+            weight.new_empty((E, K, N), dtype=torch.float8_e4m3fn),
+            weight.new_empty((E, N // 128, K // 128), dtype=torch.float32))
+
+
+_weight_cache = None
+
+
+def _fp8_copy(weight: Tensor):
+    """The weight's FP8 copy (values, values^T, scales): from the process-wide cache
+    (quantized once per optimizer step), or made afresh inside a torch.compile graph or a
+    CUDA graph being captured, so that every run of the graph quantizes the weights it is
+    given (a cached copy would be baked in)."""
+    global _weight_cache
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        from .weight_cache import QuantizedWeight
+        values, values_t, scales = quantize_fp8_weight(weight.detach())
+        return QuantizedWeight(values, scales, values_t)
+    if _weight_cache is None:
+        from .weight_cache import Fp8WeightCache
+        _weight_cache = Fp8WeightCache()
+    return _weight_cache.get(weight, transposed=True)
+
+
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
               w_down: Tensor, backward_mode: str = "recompute",
-              weight_grad_accumulators: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              weight_grad_accumulators: tuple[Tensor, Tensor] | None = None,
+              precision: str = "bf16") -> Tensor:
     """The fused layer on one GPU, differentiable; h is kept only in the "saved" mode and
-    only when a backward can follow."""
+    only when a backward can follow. precision: "bf16", "fp8" or "fp8_bwd"."""
     save_h = keeps_h(backward_mode, x, topk_weights, w_gate_up, w_down)
     acc_gate_up, acc_down = weight_grad_accumulators or (None, None)
-    y, _ = fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h,
-                             acc_gate_up, acc_down)
+    if precision == "bf16":
+        y, _ = fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h,
+                                 acc_gate_up, acc_down)
+        return y
+    gate_up, down = _fp8_copy(w_gate_up), _fp8_copy(w_down)
+    y, _ = fused_moe_fp8_forward(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up.values,
+                                 gate_up.values_t, gate_up.scales, down.values, down.values_t,
+                                 down.scales, precision == "fp8", save_h, acc_gate_up, acc_down)
     return y

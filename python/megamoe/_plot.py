@@ -52,7 +52,8 @@ def _draw_panel(ax, rows: list[dict]) -> None:
 
 
 def _label(row: dict) -> str:
-    return f"{row['backend']}\n{row['backward_mode']}" if row["backend"] == "fused" else row["backend"]
+    label = f"{row['backend']}\n{row['backward_mode']}" if row["backend"] == "fused" else row["backend"]
+    return label if row.get("precision", "bf16") == "bf16" else f"{label}\n{row['precision']}"
 
 
 def _title(results: dict) -> str:
@@ -63,4 +64,5 @@ def _title(results: dict) -> str:
              else "CPU (reference smoke run, not a GPU benchmark)")
     return (f"megamoe {results['megamoe_version']} on {where}{peak_text}\n"
             f"ep={settings['ep']}, routing={settings['routing']}, "
-            f"precision={settings['precision']}, commit {results['commit'][:12]}")
+            f"precision={','.join(settings.get('precisions') or [settings.get('precision')])}, "
+            f"commit {results['commit'][:12]}")

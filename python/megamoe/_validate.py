@@ -51,10 +51,10 @@ def check_backend_and_precision(backend: str, precision: str) -> None:
         raise MegaMoEError(
             "precision='mxfp8' (1x32 blocks, e8m0 scales) needs Blackwell (sm_100) block-scaled "
             "MMA; on Hopper use 'fp8' (blockwise 1x128 / 128x128 scales) or 'bf16'")
-    if precision == "bf16" or (backend == "torch" and precision == "fp8"):
+    if precision == "bf16" or (backend == "torch" and precision == "fp8") or backend == "fused":
         return
-    raise NotBuiltError(f"precision={precision!r} is not built yet for backend={backend!r}; use 'bf16'"
-                        + (" (backend='torch' runs 'fp8')" if backend == "fused" else ""))
+    raise NotBuiltError(f"precision={precision!r} is not built yet for backend={backend!r}; use "
+                        "'bf16' or 'fp8' (backend='fused' also runs 'fp8_bwd')")
 
 
 def _tensor(name, value):

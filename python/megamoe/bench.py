@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 import megamoe
+from megamoe._validate import PRECISIONS
 from megamoe._fused_op import BACKWARD_MODES as FUSED_BACKWARD_MODES
 from megamoe.presets import PRESETS, MoEShape, get_preset
 from megamoe.routing import ROUTING_MODES, make_routing
@@ -104,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fused-backward-modes", default=",".join(FUSED_BACKWARD_MODES),
                         help="backward modes of the fused backend, one row each, from "
                              f"{', '.join(FUSED_BACKWARD_MODES)} (default both)")
-    parser.add_argument("--precision", default="bf16", help="passed to megamoe.moe (default bf16)")
+    parser.add_argument("--precision", default="bf16",
+                        help="comma list passed to megamoe.moe, one row per backend and precision "
+                             "(default bf16); an FP8 precision also measures the FP8 matmul peaks")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel ranks; >1 must run under torchrun --nproc-per-node N")
     parser.add_argument("--num-comm-sms", type=int, default=None,
@@ -138,6 +141,7 @@ def resolve_defaults(args: argparse.Namespace, is_cuda: bool) -> None:
     args.model = list(dict.fromkeys(_split_commas(args.model) if args.model else defaults["models"]))
     args.tokens = list(dict.fromkeys(_split_commas(args.tokens) if args.tokens
                                      else [str(t) for t in defaults["tokens"]]))
+    args.precisions = list(dict.fromkeys(_split_commas([args.precision])))
 
 
 def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -150,6 +154,10 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if bad_modes or not args.fused_backward_modes:
         parser.error(f"--fused-backward-modes: unknown mode(s) {', '.join(bad_modes) or '(none given)'}; "
                      f"valid: {', '.join(FUSED_BACKWARD_MODES)}")
+    bad_precisions = [p for p in args.precisions if p not in PRECISIONS]
+    if bad_precisions or not args.precisions:
+        parser.error(f"--precision: unknown precision(s) {', '.join(bad_precisions) or '(none given)'}; "
+                     f"valid: {', '.join(PRECISIONS)}")
     try:
         args.shapes = [get_preset(name) for name in args.model]
     except ValueError as error:
@@ -257,23 +265,35 @@ class CpuClock:
 
 
 def measure_gemm_peak_tflops(device: torch.device, size: int = GEMM_PEAK_SIZE,
-                             warmup: int = 3, iters: int = 10, seconds: float = 0.0) -> float:
+                             warmup: int = 3, iters: int = 10, seconds: float = 0.0,
+                             fp8: bool = False) -> float:
     """Median bf16 matmul throughput of this GPU: the yardstick for "% of peak". With
     `seconds` > 0 the matmuls run back to back for that long instead of `iters` calls and
     the median is over the second half: the throughput under the power cap that a long run
-    settles at (the sustained peak)."""
+    settles at (the sustained peak). fp8: an e4m3 x e4m3 torch._scaled_mm (per-tensor
+    scales, bf16 out) instead, the FP8 tensor cores' yardstick."""
     generator = torch.Generator(device=device).manual_seed(1234)
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
     c = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    if fp8:
+        a = a.to(torch.float8_e4m3fn)
+        b = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), device=device)
+
+        def matmul():
+            torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, out=c)
+    else:
+        def matmul():
+            torch.matmul(a, b, out=c)
     clock = CudaClock()
     for _ in range(warmup):
-        torch.matmul(a, b, out=c)
+        matmul()
     marks = []
     began = time.perf_counter()
     while (time.perf_counter() - began < seconds) if seconds > 0 else len(marks) < iters:
         start = clock.mark()
-        torch.matmul(a, b, out=c)
+        matmul()
         marks.append((start, clock.mark()))
         if len(marks) % 16 == 0:
             marks[-16][1].synchronize()  # the CPU stays a few calls ahead, so time is GPU time
@@ -354,7 +374,8 @@ def time_forward(call, weights, input_sets, iterations: int, clock) -> tuple[lis
 
 
 def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, clock,
-                      forward_only: bool = False, backward_mode: str | None = None):
+                      forward_only: bool = False, backward_mode: str | None = None,
+                      precision: str = "bf16"):
     """(fwd median ms, bwd median ms) over args.iters timed iterations; with EP, the max
     over ranks of each rank's medians (the slowest rank sets the step time). With
     forward_only, the forward runs under torch.no_grad() and bwd is None. backward_mode:
@@ -374,7 +395,7 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
         # The ids are valid by construction; check_ids=False leaves out the range check's
         # host sync, which would otherwise stall every backend's forward alike.
         return megamoe.moe(inputs.x, inputs.topk_ids, inputs.topk_weights, w_gate_up, w_down,
-                           group=run.group, precision=args.precision, backend=backend,
+                           group=run.group, precision=precision, backend=backend,
                            check_ids=False, **extra)
 
     timer = time_forward if forward_only else time_forward_backward
@@ -404,15 +425,16 @@ def _max_over_ranks(values: list[float], run: RunContext) -> list[float]:
 
 
 def make_row(shape: MoEShape, num_tokens: int, backend: str, args, dtype,
-             backward_mode: str) -> dict:
+             backward_mode: str, precision: str = "bf16") -> dict:
     return {
         "model": shape.name, "H": shape.H, "I": shape.I, "E": shape.E, "k": shape.k,
         "tokens_per_rank": num_tokens, "ep": args.ep, "backend": backend,
-        "precision": args.precision, "dtype": str(dtype).removeprefix("torch."),
+        "precision": precision, "dtype": str(dtype).removeprefix("torch."),
         "routing": args.routing, "backward_mode": backward_mode,
         "fwd_ms": None, "bwd_ms": None, "fwd_bwd_ms": None, "full_layer_ms": None,
         "fwd_tflops": None, "pct_of_peak": None, "pct_of_sustained_peak": None,
         "speedup_fwd_vs_torch": None, "speedup_full_vs_torch": None,
+        "speedup_fwd_vs_bf16": None, "speedup_bwd_vs_bf16": None, "speedup_fwd_bwd_vs_bf16": None,
         "status": "ok", "note": None,
     }
 
@@ -445,6 +467,20 @@ def add_speedups(rows: list[dict]) -> None:
         row["speedup_fwd_vs_torch"] = baseline["fwd_ms"] / row["fwd_ms"]
         if row["full_layer_ms"] is not None:
             row["speedup_full_vs_torch"] = baseline["full_layer_ms"] / row["full_layer_ms"]
+    # Each precision's speedup over the bf16 row of the same backend and backward mode.
+    def variant(row):
+        return (row["model"], row["tokens_per_rank"], row["ep"], row["routing"], row["backend"],
+                row.get("backward_mode"))
+
+    bf16_rows = {variant(r): r for r in rows if r["precision"] == "bf16" and r["status"] == "ok"}
+    for row in rows:
+        baseline = bf16_rows.get(variant(row))
+        if baseline is None or row["precision"] == "bf16" or row["fwd_ms"] is None:
+            continue
+        row["speedup_fwd_vs_bf16"] = baseline["fwd_ms"] / row["fwd_ms"]
+        if row.get("bwd_ms") is not None and baseline.get("bwd_ms") is not None:
+            row["speedup_bwd_vs_bf16"] = baseline["bwd_ms"] / row["bwd_ms"]
+            row["speedup_fwd_bwd_vs_bf16"] = baseline["fwd_bwd_ms"] / row["fwd_bwd_ms"]
 
 
 def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, clock,
@@ -457,11 +493,11 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
     input_sets = build_input_sets(shape, num_tokens, args.routing, args.input_sets, dtype,
                                   run.device, generator)
     rows = []
-    for backend, mode in backend_variants(args):
-        row = make_row(shape, num_tokens, backend, args, dtype, mode)
+    for backend, mode, precision in backend_variants(args):
+        row = make_row(shape, num_tokens, backend, args, dtype, mode, precision)
         fused_mode = mode if backend == "fused" else None
         label = f"{shape.name} T={num_tokens}/rank ep={args.ep} {backend}" + (
-            f" ({mode})" if fused_mode else "")
+            f" {precision}" if precision != "bf16" else "") + (f" ({mode})" if fused_mode else "")
         if not run.is_cuda and backend not in CPU_BACKENDS:
             row["status"] = f"skipped: backend {backend!r} needs a CUDA GPU (this is a CPU run)"
         elif run.world_size > 1 and backend not in EP_BACKENDS:
@@ -469,13 +505,14 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
         else:
             try:
                 fwd_ms, bwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
-                                                   backward_mode=fused_mode)
+                                                   backward_mode=fused_mode, precision=precision)
                 fill_timings(row, shape, fwd_ms, bwd_ms, peak_tflops)
             except NotImplementedError as error:  # megamoe.NotBuiltError included
                 # A backend whose backward is not built yet still has a forward to time.
                 try:
                     fwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
-                                               forward_only=True, backward_mode=fused_mode)[0]
+                                               forward_only=True, backward_mode=fused_mode,
+                                               precision=precision)[0]
                     fill_timings(row, shape, fwd_ms, None, peak_tflops)
                     row["status"] = "forward only"
                     row["backward_mode"] = None
@@ -496,12 +533,14 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
     return rows
 
 
-def backend_variants(args) -> list[tuple[str, str]]:
-    """(backend, backward mode) of each row: the fused backend once per requested mode."""
+def backend_variants(args) -> list[tuple[str, str, str]]:
+    """(backend, backward mode, precision) of each row: the fused backend once per requested
+    mode, every backend once per requested precision."""
     variants = []
     for backend in args.backends:
         modes = args.fused_backward_modes if backend == "fused" else [BACKWARD_MODE[backend]]
-        variants += [(backend, mode) for mode in modes]
+        variants += [(backend, mode, precision) for mode in modes
+                     for precision in getattr(args, "precisions", [args.precision])]
     return variants
 
 
@@ -518,6 +557,7 @@ def run_benchmark(args, run: RunContext, argv: list[str]) -> dict:
         print(CPU_RUN_NOTICE.format(models=", ".join(args.model)), flush=True)
     clock = CudaClock() if run.is_cuda else CpuClock()
     peak_tflops = sustained_tflops = None
+    fp8_peaks = {"fp8_peak_tflops": None, "fp8_peak_sustained_tflops": None}
     if run.is_cuda:
         progress(run, f"measuring the bf16 GEMM peak ({GEMM_PEAK_SIZE}^3 matmul)")
         peak_tflops = measure_gemm_peak_tflops(run.device)
@@ -533,6 +573,18 @@ def run_benchmark(args, run: RunContext, argv: list[str]) -> dict:
             if run.group is not None:
                 sustained_tflops = -_max_over_ranks([-sustained_tflops], run)[0]
             progress(run, f"sustained bf16 GEMM peak: {sustained_tflops:.1f} TFLOP/s")
+        if any(p in ("fp8", "fp8_bwd") for p in args.precisions):
+            fp8_peaks["fp8_peak_tflops"] = measure_gemm_peak_tflops(run.device, fp8=True)
+            progress(run, f"FP8 GEMM peak: {fp8_peaks['fp8_peak_tflops']:.1f} TFLOP/s")
+            if args.sustained_peak_seconds > 0:
+                fp8_peaks["fp8_peak_sustained_tflops"] = measure_gemm_peak_tflops(
+                    run.device, seconds=args.sustained_peak_seconds, fp8=True)
+                progress(run, "sustained FP8 GEMM peak: "
+                              f"{fp8_peaks['fp8_peak_sustained_tflops']:.1f} TFLOP/s")
+            if run.group is not None:
+                for key in fp8_peaks:
+                    if fp8_peaks[key] is not None:
+                        fp8_peaks[key] = -_max_over_ranks([-fp8_peaks[key]], run)[0]
         torch.cuda.empty_cache()
 
     rows = []
@@ -540,10 +592,16 @@ def run_benchmark(args, run: RunContext, argv: list[str]) -> dict:
         for num_tokens in args.tokens:
             rows += benchmark_config(shape, num_tokens, args, run, clock, peak_tflops)
     for row in rows:
-        if sustained_tflops and row["fwd_tflops"]:
-            row["pct_of_sustained_peak"] = 100 * row["fwd_tflops"] / sustained_tflops
+        # A forward in FP8 is measured against the FP8 ceiling; fp8_bwd's forward is bf16.
+        fp8_forward = row["precision"] == "fp8"
+        short = fp8_peaks["fp8_peak_tflops"] if fp8_forward else peak_tflops
+        sustained = fp8_peaks["fp8_peak_sustained_tflops"] if fp8_forward else sustained_tflops
+        if row["fwd_tflops"]:
+            row["pct_of_peak"] = 100 * row["fwd_tflops"] / short if short else None
+            row["pct_of_sustained_peak"] = 100 * row["fwd_tflops"] / sustained if sustained else None
     add_speedups(rows)
-    return {**describe_run(args, run, argv, peak_tflops, sustained_tflops), "rows": rows}
+    return {**describe_run(args, run, argv, peak_tflops, sustained_tflops), **fp8_peaks,
+            "rows": rows}
 
 
 def describe_run(args, run: RunContext, argv: list[str], peak_tflops,
@@ -567,7 +625,8 @@ def describe_run(args, run: RunContext, argv: list[str], peak_tflops,
         "cpu_smoke_run": not run.is_cuda,
         "settings": {
             "backends": args.backends, "models": args.model, "tokens_per_rank": args.tokens,
-            "routing": args.routing, "precision": args.precision, "ep": args.ep,
+            "routing": args.routing, "precisions": getattr(args, "precisions", [args.precision]),
+            "ep": args.ep,
             "num_comm_sms": args.num_comm_sms,
             "fused_backward_modes": args.fused_backward_modes,
             "iters": args.iters, "warmup": args.warmup, "input_sets": args.input_sets,
@@ -584,7 +643,10 @@ def describe_run(args, run: RunContext, argv: list[str], peak_tflops,
             "pct_of_peak": "100 * fwd_tflops / gemm_peak_tflops",
             "gemm_peak": f"median of 10 bf16 torch.matmul {GEMM_PEAK_SIZE}^3 after 3 warm-up calls "
                          "(~15 ms: boost clock; slowest rank under EP)",
-            "pct_of_sustained_peak": "100 * fwd_tflops / gemm_peak_sustained_tflops",
+            "pct_of_sustained_peak": "100 * fwd_tflops / gemm_peak_sustained_tflops (precision "
+                                     "fp8: / fp8_peak_sustained_tflops)",
+            "fp8_peak": f"as gemm_peak with e4m3 torch._scaled_mm {GEMM_PEAK_SIZE}^3 (per-tensor "
+                        "scales, bf16 out)",
             "gemm_peak_sustained": f"median bf16 torch.matmul {GEMM_PEAK_SIZE}^3 over the second "
                                    "half of sustained_peak_seconds of back-to-back calls (at the "
                                    "power cap; slowest rank under EP)",
@@ -643,6 +705,8 @@ TABLE_COLUMNS = (
     ("% sust.", "pct_of_sustained_peak", "{:.1f}"),
     ("fwd x torch", "speedup_fwd_vs_torch", "{:.2f}"),
     ("full x torch", "speedup_full_vs_torch", "{:.2f}"),
+    ("fwd x bf16", "speedup_fwd_vs_bf16", "{:.2f}"),
+    ("bwd x bf16", "speedup_bwd_vs_bf16", "{:.2f}"),
     ("status", "status", str),
 )
 

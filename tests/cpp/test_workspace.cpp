@@ -3,6 +3,7 @@
 // 256-byte aligned, disjoint and as large as their contents, and a workspace that is too
 // small or misaligned is an error naming the size query. The carver never dereferences its
 // base, so the carvings are checked against fake device addresses.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -112,9 +113,10 @@ TEST(ExpertChainWorkspace, ForwardAndBackwardBuffers) {
     SCOPED_TRACE(std::to_string(s.rows) + " rows, E=" + std::to_string(s.experts) +
                  ", H=" + std::to_string(s.H) + ", I=" + std::to_string(s.I));
     WorkspaceCarver counting;
-    megamoe::chain::carve_forward(counting, s.rows, s.H, s.I);
+    megamoe::chain::carve_forward(counting, s.rows, s.rows, s.H, s.I);
     WorkspaceCarver c(kFakeBase, counting.bytes());
-    const megamoe::chain::ForwardBuffers f = megamoe::chain::carve_forward(c, s.rows, s.H, s.I);
+    const megamoe::chain::ForwardBuffers f =
+        megamoe::chain::carve_forward(c, s.rows, s.rows, s.H, s.I);
     EXPECT_EQ(c.bytes(), counting.bytes());
     Pieces forward(kFakeBase, c.bytes());
     forward.add("activation", f.activation, s.rows * s.I * 2);
@@ -125,10 +127,10 @@ TEST(ExpertChainWorkspace, ForwardAndBackwardBuffers) {
     size_t recompute_bytes = 0;
     for (const bool saved : {false, true}) {
       WorkspaceCarver count_b;
-      megamoe::chain::carve_backward(count_b, s.rows, s.experts, s.H, s.I, saved);
+      megamoe::chain::carve_backward(count_b, s.rows, s.rows, s.experts, s.H, s.I, saved);
       WorkspaceCarver cb(kFakeBase, count_b.bytes());
       const megamoe::chain::BackwardBuffers b =
-          megamoe::chain::carve_backward(cb, s.rows, s.experts, s.H, s.I, saved);
+          megamoe::chain::carve_backward(cb, s.rows, s.rows, s.experts, s.H, s.I, saved);
       EXPECT_EQ(cb.bytes(), count_b.bytes());
       EXPECT_EQ(b.padded_rows, P);
       EXPECT_EQ(b.dp_parts, s.I % 256 == 0 ? s.I / 256 : s.I / 128);  // one per N-tile of I
@@ -156,11 +158,11 @@ TEST(FusedWorkspace, IsThePlanThenTheChainsBuffers) {
         {0, 4, 128, 128, 4}, {16384, 8, 2048, 1536, 128}}) {
     WorkspaceCarver forward, backward, backward_saved;
     megamoe::carve_routing_plan(forward, T * k, E);
-    megamoe::chain::carve_forward(forward, T * k, H, I);
+    megamoe::chain::carve_forward(forward, T * k, T, H, I);
     megamoe::carve_routing_plan(backward, T * k, E);
-    megamoe::chain::carve_backward(backward, T * k, E, H, I, false);
+    megamoe::chain::carve_backward(backward, T * k, T, E, H, I, false);
     megamoe::carve_routing_plan(backward_saved, T * k, E);
-    megamoe::chain::carve_backward(backward_saved, T * k, E, H, I, true);
+    megamoe::chain::carve_backward(backward_saved, T * k, T, E, H, I, true);
     EXPECT_EQ(megamoe::fused::forward_workspace_bytes(T, k, H, I, E), forward.bytes());
     EXPECT_EQ(megamoe::fused::backward_workspace_bytes(T, k, H, I, E, false), backward.bytes());
     EXPECT_EQ(megamoe::fused::backward_workspace_bytes(T, k, H, I, E, true),
@@ -171,6 +173,56 @@ TEST(FusedWorkspace, IsThePlanThenTheChainsBuffers) {
     EXPECT_EQ(abi_bytes, backward_saved.bytes());
   }
   error_of([] { megamoe::fused::forward_workspace_bytes(1, 17, 128, 128, 4); });
+}
+
+// The FP8 buffers: every piece sized for its matrix and scales, none overlapping another.
+TEST(ChainWorkspace, Fp8PiecesAreDisjointAndSized) {
+  using megamoe::chain::Precision;
+  const int64_t rows = 4000, tokens = 500, E = 16, H = 512, I = 384;
+  const auto ld = [](int64_t n) { return (n + 3) / 4 * 4; };
+  WorkspaceCarver counting;
+  megamoe::chain::carve_forward(counting, rows, tokens, H, I, Precision::kFp8);
+  WorkspaceCarver c(kFakeBase, counting.bytes());
+  const auto f = megamoe::chain::carve_forward(c, rows, tokens, H, I, Precision::kFp8);
+  Pieces forward(kFakeBase, c.bytes());
+  forward.add("activation", f.activation, rows * I * 2);
+  forward.add("out", f.out, rows * H * 2);
+  forward.add("x q", f.x_fp8.q, tokens * H);
+  forward.add("x scales", f.x_fp8.scales, H / 128 * ld(tokens) * 4);
+  forward.add("activation q", f.activation_fp8.q, rows * I);
+  forward.add("activation scales", f.activation_fp8.scales, I / 128 * ld(rows) * 4);
+  forward.check();
+  EXPECT_EQ(f.x_fp8.scale_ld, ld(tokens));
+
+  for (const Precision precision : {Precision::kFp8, Precision::kFp8Backward}) {
+    WorkspaceCarver count_b;
+    megamoe::chain::carve_backward(count_b, rows, tokens, E, H, I, false, precision);
+    WorkspaceCarver cb(kFakeBase, count_b.bytes());
+    const auto b = megamoe::chain::carve_backward(cb, rows, tokens, E, H, I, false, precision);
+    const int64_t P = b.padded_rows;
+    EXPECT_EQ(b.dp_parts, I / 128);  // the FP8 tiles are 128 wide
+    Pieces backward(kFakeBase, cb.bytes());
+    backward.add("h", b.h, rows * 2 * I * 2);
+    backward.add("dh", b.dh, P * 2 * I * 2);
+    backward.add("a", b.a, P * I * 2);
+    backward.add("dp_partial", b.dp_partial, rows * b.dp_parts * 4);
+    backward.add("token_rows", b.token_rows, P * H * 2);
+    backward.add("dy q", b.dy_fp8.q, tokens * H);
+    backward.add("dy scales", b.dy_fp8.scales, H / 128 * ld(tokens) * 4);
+    if (precision == Precision::kFp8) {
+      backward.add("x q", b.x_fp8.q, tokens * H);
+      backward.add("x scales", b.x_fp8.scales, H / 128 * ld(tokens) * 4);
+    } else {
+      EXPECT_EQ(b.x_fp8.q, nullptr) << "fp8_bwd recomputes L1 in bf16";
+    }
+    backward.add("dh q", b.dh_fp8.q, P * 2 * I);
+    backward.add("dh scales", b.dh_fp8.scales, 2 * I / 128 * P * 4);
+    backward.add("lhs q", b.lhs_fp8.q, std::max(H, 2 * I) * P);
+    backward.add("lhs scales", b.lhs_fp8.scales, P / 128 * std::max(H, 2 * I) * 4);
+    backward.add("rhs q", b.rhs_fp8.q, std::max(I, H) * P);
+    backward.add("rhs scales", b.rhs_fp8.scales, P / 128 * std::max(I, H) * 4);
+    backward.check();
+  }
 }
 
 }  // namespace

@@ -130,6 +130,24 @@ def test_speedups_compare_with_the_torch_row_of_the_same_config():
     assert rows[4]["speedup_fwd_vs_torch"] is None  # torch was skipped for model c
 
 
+def test_speedups_over_bf16_compare_the_same_backend_and_mode():
+    def row(backend, precision, mode, fwd, bwd):
+        return {"model": "a", "tokens_per_rank": 8, "ep": 1, "routing": "random",
+                "precision": precision, "backend": backend, "backward_mode": mode, "fwd_ms": fwd,
+                "bwd_ms": bwd, "fwd_bwd_ms": fwd + bwd, "full_layer_ms": 2 * fwd + bwd,
+                "status": "ok"}
+
+    rows = [row("fused", "bf16", "saved", 2.0, 4.0), row("fused", "fp8", "saved", 1.0, 2.0),
+            row("fused", "bf16", "recompute", 3.0, 6.0), row("fused", "fp8_bwd", "recompute", 3.0, 3.0),
+            row("torch", "fp8", "recompute", 4.0, 4.0)]
+    bench.add_speedups(rows)
+    assert (rows[1]["speedup_fwd_vs_bf16"], rows[1]["speedup_bwd_vs_bf16"],
+            rows[1]["speedup_fwd_bwd_vs_bf16"]) == (2.0, 2.0, 2.0)
+    assert (rows[3]["speedup_fwd_vs_bf16"], rows[3]["speedup_bwd_vs_bf16"]) == (1.0, 2.0)
+    assert rows[4].get("speedup_fwd_vs_bf16") is None  # no torch bf16 row
+    assert rows[0].get("speedup_fwd_vs_bf16") is None
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "llama"], "unknown model preset 'llama'; valid presets:"),
     (["--backends", "torch,cutlass"], "unknown backend(s) cutlass; valid backends: torch, fused, reference"),

@@ -446,8 +446,8 @@ def _fallback_case(name):
         return model, "eager", "backend='torch' on cpu runs torch._grouped_mm"
     if name == "fp8_not_built":
         model = _model(seed=12, config=_qwen3_config(num_hidden_layers=1))
-        mt.configure(model, backend="fused", precision="fp8")
-        return model, "grouped_mm", "precision='fp8' is not built yet"
+        mt.configure(model, backend="torch", precision="fp8_bwd")
+        return model, "grouped_mm", "precision='fp8_bwd' is not built yet"
     raise AssertionError(name)
 
 

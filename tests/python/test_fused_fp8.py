@@ -1,0 +1,141 @@
+"""precision="fp8" and "fp8_bwd" of backend="fused" (the blockwise-FP8 GEMMs of
+csrc/kernels/sm90/mainloop_fp8.cuh): the forward and every gradient against the float64
+layer of the unquantized inputs, on both presets and the bf16 tests' awkward shapes and
+routings, both backward modes; bitwise reproducibility, the two modes' agreement, a CUDA
+graph, torch.compile, and the weight cache. GPU only (the fused backend runs on sm_90a).
+
+The bound is test_torch_fp8's: e4m3's 3 mantissa bits put the layer's outputs at ~6.6% of
+the float64 ones (the format's floor; docs/fp8.md); a NaN fails."""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import _fused_op
+from moe_testing import FUSED_CASES, make_problem, needs_cuda, rel_err, run_with_grads
+from test_torch_fp8 import ARGS, PRESETS, _check_against_float64
+
+pytestmark = [needs_cuda, pytest.mark.gpu]
+
+PRECISIONS = ("fp8", "fp8_bwd")
+MODES = ("recompute", "saved")
+
+
+def _used_experts(p, E):
+    used = torch.zeros(E, dtype=torch.bool, device=p["topk_ids"].device)
+    used[p["topk_ids"][p["topk_ids"] >= 0].unique()] = True
+    return used
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_presets_match_float64_reference(preset, precision, mode):
+    H, I, E, k = PRESETS[preset]
+    p = make_problem(4096, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=4096,
+                     invalid_fraction=0.02, skip_experts=(5,))
+    print(preset, precision, mode)
+    errors, grads = _check_against_float64(p, backend="fused", precision=precision,
+                                           backward_mode=mode)
+    if precision == "fp8_bwd":  # the forward is the bf16 one
+        assert errors["y"] < 1e-2, errors
+    assert torch.all(grads["w_gate_up"][5] == 0) and torch.all(grads["w_down"][5] == 0)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("T,H,I,E,k,extra", FUSED_CASES)
+def test_awkward_shapes_and_routings(T, H, I, E, k, extra, precision):
+    p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 23, **extra)
+    print((T, H, I, E, k), precision)
+    _, grads = _check_against_float64(p, backend="fused", precision=precision,
+                                      backward_mode="recompute")
+    used = _used_experts(p, E)
+    for name in ("w_gate_up", "w_down"):
+        assert torch.all(grads[name][~used] == 0), name
+    assert torch.all(grads["topk_weights"][p["topk_ids"] == -1] == 0)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_bitwise_reproducible_and_modes_agree(precision):
+    """Two runs give the same bits; the saved mode's backward reads the forward's h, which
+    the recompute mode recomputes with the same GEMM arithmetic: the same bits again."""
+    p = make_problem(3000, 512, 256, 32, 4, dtype=torch.bfloat16, device="cuda", seed=7,
+                     invalid_fraction=0.05)
+    runs = [run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                           backward_mode=mode) for mode in ("recompute", "recompute", "saved")]
+    (y0, g0), (y1, g1), (y2, g2) = runs
+    assert torch.equal(y0, y1) and torch.equal(y0, y2)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+        assert torch.equal(g0[name], g2[name]), name
+
+
+def test_weight_gradient_accumulators_add_the_same_gradients():
+    p = make_problem(600, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=3)
+    _, grads = run_with_grads(megamoe.moe, p, backend="fused", precision="fp8")
+    acc = (torch.zeros(p["w_gate_up"].shape, device="cuda"),
+           torch.zeros(p["w_down"].shape, device="cuda"))
+    w_gate_up = p["w_gate_up"].detach().clone().requires_grad_(True)
+    w_down = p["w_down"].detach().clone().requires_grad_(True)
+    y = megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down,
+                    backend="fused", precision="fp8", weight_grad_accumulators=acc)
+    y.backward(p["dy"])
+    assert w_gate_up.grad is None and w_down.grad is None
+    # bf16 gradients are the fp32 sums rounded once: the fp32 ones (added to zeros) round
+    # to them.
+    assert torch.equal(acc[0].to(torch.bfloat16), grads["w_gate_up"])
+    assert torch.equal(acc[1].to(torch.bfloat16), grads["w_down"])
+
+
+def test_cuda_graph_replays_the_eager_results():
+    p = make_problem(512, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=11)
+    args = [p[n] for n in ARGS]
+    eager = megamoe.moe(*args, backend="fused", precision="fp8", check_ids=False)
+    static_w = args[3].clone()
+    megamoe.moe(args[0], args[1], args[2], static_w, args[4], backend="fused", precision="fp8",
+                check_ids=False)  # warm-up outside the capture (workspace, kernel loading)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = megamoe.moe(args[0], args[1], args[2], static_w, args[4], backend="fused",
+                          precision="fp8", check_ids=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    # The captured graph quantizes the weights it reads at every replay: new weights, new y.
+    static_w.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = megamoe.moe(args[0], args[1], args[2], static_w, args[4], backend="fused",
+                        precision="fp8", check_ids=False)
+    assert torch.equal(out, fresh) and not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_torch_compile_matches_eager(precision):
+    p = make_problem(700, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=13)
+    eager_y, eager_grads = run_with_grads(megamoe.moe, p, backend="fused", precision=precision)
+    compiled = torch.compile(megamoe.moe, fullgraph=True)
+    y, grads = run_with_grads(compiled, p, backend="fused", precision=precision,
+                              check_ids=False)
+    assert torch.equal(y, eager_y)
+    for name in grads:
+        assert torch.equal(grads[name], eager_grads[name]), name
+
+
+def test_weight_copies_are_made_once_per_weight_version():
+    p = make_problem(256, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=5)
+    w_gate_up = torch.nn.Parameter(p["w_gate_up"].clone())
+    w_down = torch.nn.Parameter(p["w_down"].clone())
+    _fused_op._fp8_copy(w_gate_up)  # makes the process-wide cache
+    cache = _fused_op._weight_cache
+    cache.invalidate()
+    misses = cache.misses
+    for _ in range(3):
+        megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down,
+                    backend="fused", precision="fp8").sum().backward()
+    assert cache.misses - misses == 2  # one copy of each weight for the three calls
+    torch.optim.SGD([w_gate_up, w_down], lr=0.1).step()  # the step hook drops the copies
+    megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down, backend="fused",
+                precision="fp8")
+    assert cache.misses - misses == 4
