@@ -12,6 +12,8 @@
 #                  compared bit for bit (tools/ab_outputs.py), then megamoe-bench of the fused
 #                  backend at both presets, 16384 tokens, both backward modes, base and new
 #                  in alternation, twice (AB_ARGS: extra megamoe-bench arguments)
+#   fp8            the FP8 GEMM and layer tests, and the FP8 benchmark (both presets, 16384
+#                  tokens, bf16 / fp8 / fp8_bwd rows of torch and fused; FP8_BENCH_ARGS)
 #   bench          the committed layer benchmarks (torch and fused, 16384 and 512 tokens;
 #                  EP=2 too with two GPUs)
 #   profile        per-kernel times of both presets (saved mode)
@@ -75,6 +77,14 @@ for stage in "$@"; do
         bench_ab "base-$round" "$base_lib"
         bench_ab "new-$round" "$MEGAMOE_LIBRARY"
       done ;;
+    fp8)
+      run fp8-cpp.log build/tests/cpp/megamoe_tests --gtest_filter='*Fp8*:*Workspace*'
+      run fp8-py.log python3 -m pytest -q -rs tests/python/test_fused_fp8.py \
+        tests/python/test_fp8_kernels.py tests/python/test_torch_fp8.py tests/python/test_weight_cache.py
+      mkdir -p "$work/results"
+      run fp8-bench.log python3 -m megamoe.bench --backends torch,fused --model qwen3-30b-a3b \
+        --model qwen3-235b-a22b --tokens 16384 --precision bf16,fp8,fp8_bwd \
+        --out-dir "$work/results" --name h200-fp8-t16384 ${FP8_BENCH_ARGS:-} ;;
     bench)
       mkdir -p "$work/results"
       run bench-ep1.log python3 -m megamoe.bench --backends torch,fused --tokens 16384,512 \
