@@ -81,12 +81,14 @@ void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
   quantize_fp8(Fp8Blocks::kColumns128, q, stream);
 }
 
-// W [E, N, K] as the B of an nt GEMM (B_e = W_e) or, transposed, of the GEMM that reads it
-// N-major in bf16 (B_e = W_e^T [K, N]): the same scales either way.
-sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t n, int64_t k, bool transposed) {
-  const int64_t nb = n / 128, kb = k / 128;
+// W [E, N, K] (scales [E, N/128, K/128]) as the B of an nt GEMM (B_e = W_e: the GEMM's n
+// is N, its k is K) or, transposed, of the GEMM that reads it N-major in bf16 (B_e = W_e^T
+// [K, N]: the GEMM's n-block j and k-block i are W's block (i, j)). The same scales either
+// way.
+sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t N, int64_t K, bool transposed) {
+  const int64_t nb = N / 128, kb = K / 128;
   if (!transposed) return {w.q, w.scales, nb * kb, kb, 1};
-  return {w.q_t, w.scales, nb * kb, 1, nb};
+  return {w.q_t, w.scales, nb * kb, 1, kb};
 }
 
 sm90::MGroupedFp8GemmArgs fp8_over_rows(const Rows& r, const sm90::MGroupedFp8A& a,
