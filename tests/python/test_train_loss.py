@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megamoe.train.loss import IGNORE_INDEX, chunked_linear_cross_entropy
+from megamoe.train.loss import IGNORE_INDEX, chunked_linear_cross_entropy, resolve_implementation
 from moe_testing import BASE_SEED, rel_err
 
 
@@ -62,3 +62,55 @@ def test_chunked_checks_shapes():
         chunked_linear_cross_entropy(torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
         chunked_linear_cross_entropy(torch.zeros(4, 8), torch.zeros(10, 7), torch.zeros(4, dtype=torch.long))
+
+
+def _loss_and_grads(hidden, weight, labels, chunk, implementation):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    loss = chunked_linear_cross_entropy(h, w, labels, chunk_size=chunk,
+                                        implementation=implementation)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def test_compiled_matches_eager_bf16():
+    # torch.compile's CPU code (C++): the same fused function that runs as Triton on CUDA.
+    # 70 tokens in chunks of 16: the last chunk is shorter and reuses the compiled code.
+    generator = torch.Generator().manual_seed(BASE_SEED + 2)
+    tokens, H, V = 70, 32, 300
+    hidden = torch.randn(tokens, H, generator=generator).bfloat16()
+    weight = (torch.randn(V, H, generator=generator) * 0.3).bfloat16()
+    labels = torch.randint(0, V, (tokens,), generator=generator)
+    labels[torch.rand(tokens, generator=generator) < 0.2] = IGNORE_INDEX
+    eager = _loss_and_grads(hidden, weight, labels, 16, "eager")
+    compiled = _loss_and_grads(hidden, weight, labels, 16, "compiled")
+    assert compiled[0].dtype == torch.float32
+    assert compiled[0].item() == pytest.approx(eager[0].item(), rel=1e-6)
+    # The same fp32 values rounded once to bf16 (a compiler may round an exp differently):
+    # far closer than one bf16 step (2^-8 relative).
+    for got, want in zip(compiled[1:], eager[1:]):
+        assert got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 2**-10
+    ignored = labels == IGNORE_INDEX
+    assert torch.equal(compiled[1][ignored], torch.zeros_like(compiled[1][ignored]))
+    # And both against float64 on the same bf16 inputs.
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    expected = _plain(h64, w64, labels)
+    expected.backward()
+    assert abs(compiled[0].item() - expected.item()) < 1e-3 * abs(expected.item())  # bf16 logits
+    assert rel_err(compiled[1], h64.grad) < 2e-2 and rel_err(compiled[2], w64.grad) < 2e-2
+    # Without gradients wanted, the compiled loss alone (another graph) is the same.
+    with torch.no_grad():
+        alone = chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=16,
+                                             implementation="compiled")
+    assert alone.item() == pytest.approx(compiled[0].item(), rel=1e-6)
+
+
+def test_implementation_choice():
+    with pytest.raises(ValueError, match="implementation"):
+        chunked_linear_cross_entropy(torch.zeros(4, 8), torch.zeros(10, 8),
+                                     torch.zeros(4, dtype=torch.long), implementation="fused")
+    assert resolve_implementation("auto", torch.device("cpu")) == "eager"
+    assert resolve_implementation("auto", torch.device("cuda")) == "compiled"
+    assert resolve_implementation("eager", torch.device("cuda")) == "eager"

@@ -27,6 +27,7 @@ PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 BUILT_PRECISIONS = ("bf16",)
 BACKWARD_MODES = ("recompute", "saved")
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+LOSS_IMPLEMENTATIONS = ("auto", "compiled", "eager")
 
 
 class ConfigError(ValueError):
@@ -145,7 +146,12 @@ class TrainConfig:
     cpu_threads: int = option(0, "torch.set_num_threads on CPU runs; 0 = torch's default "
                               "(small models run faster on one thread)", minimum=0)
     loss_chunk_size: int = option(2048, "tokens per chunk of the chunked LM-head + "
-                                  "cross-entropy (its fp32 logits are chunk x vocab)", minimum=1)
+                                  "cross-entropy (its logits are chunk x vocab)", minimum=1)
+    loss_implementation: str = option("auto", "the chunked loss's softmax and gradient between "
+                                      "its matmuls: 'compiled' (torch.compile fuses them into "
+                                      "two passes over the bf16 logits), 'eager' (PyTorch ops "
+                                      "over an fp32 copy) or 'auto' (compiled on CUDA, eager "
+                                      "on CPU)", choices=LOSS_IMPLEMENTATIONS)
 
 
 @dataclass

@@ -7,20 +7,93 @@ LM head's matmul would), their log-sum-exp and the loss in fp32, and at once the
 the summed loss w.r.t. the chunk's hidden states and its share of the head's weight
 gradient. Only those gradients ([tokens, hidden] and [vocab, hidden]) are kept for the
 backward, which just scales them by the incoming gradient.
+
+Between the chunk's matmuls, the loss and the logits' gradient (softmax - one_hot, in fp32,
+rounded once to the logits' dtype) come from one of two implementations of the same math:
+"eager" (PyTorch ops over an fp32 copy of the chunk's logits: about six passes over it) and
+"compiled" (the same function through torch.compile, which fuses it into a reduction and a
+pointwise pass that read the bf16 logits and write the bf16 gradient). "auto" picks the
+compiled one on CUDA and the eager one elsewhere (a CPU run then needs no C++ compiler).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .config import LOSS_IMPLEMENTATIONS as IMPLEMENTATIONS
+
 IGNORE_INDEX = -100
+
+
+def _loss_and_grad_eager(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                         accumulate: torch.dtype, want_grad: bool):
+    """(sum of the chunk's token losses, d(that sum)/d logits in the logits' dtype or None)."""
+    logits = logits.to(accumulate)
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, target[:, None]).squeeze(1)
+    total = torch.where(valid, lse - picked, 0).sum()
+    if not want_grad:
+        return total, None
+    # d(sum of losses)/d logits = softmax - one_hot(label), zero for ignored rows; computed
+    # in place over the chunk's fp32 logits.
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad[torch.arange(len(labels), device=labels.device), target] -= 1
+    grad.mul_(valid[:, None])
+    return total, grad
+
+
+def _loss_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                           accumulate: torch.dtype, want_grad: bool):
+    """The eager function's math written out of place, for torch.compile to fuse: the fp32
+    copy of the logits then never reaches memory."""
+    x = logits.to(accumulate)
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    total = torch.where(valid, lse - picked, 0).sum()
+    if not want_grad:
+        return total, None
+    columns = torch.arange(x.shape[1], device=x.device)
+    one_hot = (columns[None, :] == target[:, None]).to(accumulate)
+    grad = torch.where(valid[:, None], torch.exp(x - lse[:, None]) - one_hot, 0)
+    return total, grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled():
+    # dynamic=False: the vocabulary (the reduction's length) stays a constant of the kernel;
+    # the row count is marked dynamic per call, so the last, shorter chunk reuses the code.
+    return torch.compile(_loss_and_grad_fusable, dynamic=False, fullgraph=True)
+
+
+def _loss_and_grad_compiled(logits, labels, ignore_index, accumulate, want_grad):
+    torch._dynamo.maybe_mark_dynamic(logits, 0)
+    torch._dynamo.maybe_mark_dynamic(labels, 0)
+    return _compiled()(logits, labels, ignore_index, accumulate, want_grad)
+
+
+def resolve_implementation(implementation: str, device: torch.device) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"chunked_linear_cross_entropy: implementation must be one of "
+                         f"{', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    if implementation == "auto":
+        return "compiled" if device.type == "cuda" else "eager"
+    return implementation
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                chunk_size: int, ignore_index: int):
+                chunk_size: int, ignore_index: int, implementation: str):
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_grad = needs_hidden or needs_weight
+        loss_and_grad = (_loss_and_grad_compiled if implementation == "compiled"
+                         else _loss_and_grad_eager)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         # Each chunk's weight-gradient GEMM rounds to the weight's dtype, as the plain
         # backward's single GEMM would; the sum over chunks is kept in fp32 (fp64 for fp64).
@@ -30,20 +103,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=accumulate, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]
-            y = labels[start:start + chunk_size]
-            logits = (h @ weight.t()).to(accumulate)
-            valid = y != ignore_index
-            target = torch.where(valid, y, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += torch.where(valid, lse - picked, 0).sum()
-            if not (needs_hidden or needs_weight):
+            chunk_total, grad_logits = loss_and_grad(h @ weight.t(),
+                                                     labels[start:start + chunk_size],
+                                                     ignore_index, accumulate, want_grad)
+            total += chunk_total
+            if not want_grad:
                 continue
-            # d(sum of losses)/d logits = softmax - one_hot(label), zero for ignored rows;
-            # computed in place over the chunk's fp32 logits.
-            grad_logits = logits.sub_(lse[:, None]).exp_()
-            grad_logits[torch.arange(len(y), device=y.device), target] -= 1
-            grad_logits.mul_(valid[:, None])
             grad_logits = grad_logits.to(hidden.dtype)
             if needs_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:start + chunk_size])
@@ -61,15 +126,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = (grad_hidden.to(grad_total.dtype) * grad_total).to(grad_hidden.dtype) \
             if grad_hidden is not None else None
         dw = (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                  labels: torch.Tensor, chunk_size: int = 2048,
-                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX,
+                                 implementation: str = "auto") -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight.T, labels), ignore_index rows
     skipped, as a scalar (fp32; fp64 for fp64 inputs). hidden [N, H], weight [V, H],
-    labels [N] int64. Divide by the number of counted tokens for the mean."""
+    labels [N] int64. Divide by the number of counted tokens for the mean.
+    `implementation`: 'auto', 'compiled' or 'eager' (the module docstring says which)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"chunked_linear_cross_entropy: expected hidden [N, H] and weight "
                          f"[V, H], got {list(hidden.shape)} and {list(weight.shape)}")
@@ -78,4 +145,6 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                          f"got {list(labels.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunked_linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)
+    implementation = resolve_implementation(implementation, hidden.device)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index,
+                                            implementation)

@@ -267,10 +267,12 @@ class CausalLMTrainer(nn.Module):
     cross-entropy and transformers' load-balancing loss. Returns (sum of token losses,
     auxiliary loss) of a micro-batch."""
 
-    def __init__(self, model, loss_chunk_size: int, aux_loss_coef: float):
+    def __init__(self, model, loss_chunk_size: int, aux_loss_coef: float,
+                 loss_implementation: str = "auto"):
         super().__init__()
         self.model = model
         self.loss_chunk_size = loss_chunk_size
+        self.loss_implementation = loss_implementation
         self.aux_loss_coef = aux_loss_coef
         geometry = moe_geometry(model.config)
         self.num_experts, self.topk = geometry["num_experts"], geometry["topk"]
@@ -283,7 +285,8 @@ class CausalLMTrainer(nn.Module):
         hidden = out.last_hidden_state
         weight = self.model.get_output_embeddings().weight
         ce_sum = chunked_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                              labels.reshape(-1), self.loss_chunk_size)
+                                              labels.reshape(-1), self.loss_chunk_size,
+                                              implementation=self.loss_implementation)
         if want_router:
             aux = self._balancing_loss(out.router_logits, self.num_experts, self.topk)
         else:

@@ -126,9 +126,10 @@ def time_parts(config: Config, hf_config, device: torch.device, say=print, *,
 
     head = model.get_output_embeddings().weight.detach().to(dtype).requires_grad_()
     labels = torch.randint(0, hf_config.vocab_size, (tokens,), device=device, generator=generator)
-    chunk = config.train.loss_chunk_size
+    chunk, loss_kind = config.train.loss_chunk_size, config.train.loss_implementation
     fwd, fwd_bwd = _forward_backward(
-        lambda: chunked_linear_cross_entropy(flat, head, labels, chunk) / tokens, [flat], [head])
+        lambda: chunked_linear_cross_entropy(flat, head, labels, chunk,
+                                             implementation=loss_kind) / tokens, [flat], [head])
     results["lm_head_loss"] = _pair(fwd, fwd_bwd, device, iterations, warmup)
 
     say("parts (ms, fwd / fwd+bwd): " + ", ".join(

@@ -295,7 +295,8 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     if config.train.compile:
         model_mod.apply_compile(model)
     aux_coef = model_mod.aux_loss_coefficient(config, hf_config)
-    trainer = model_mod.CausalLMTrainer(model, config.train.loss_chunk_size, aux_coef)
+    trainer = model_mod.CausalLMTrainer(model, config.train.loss_chunk_size, aux_coef,
+                                        config.train.loss_implementation)
     param_dtype = torch.bfloat16 if config.train.dtype == "bf16" else torch.float32
     model_mod.apply_fsdp(trainer, model, world_mesh, expert_mesh, param_dtype, info.world_size)
     if state.ep > 1:
