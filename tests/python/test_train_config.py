@@ -38,6 +38,13 @@ def load(extra: str = "", overrides=(), base: str = BASE):
     ("[model.moe.dispatch]\nbackward_mode = 'keep'\n", r"model\.moe\.dispatch\.backward_mode: expected one of"),
     ("[data]\npaths = ['/no/such/corpus.txt']\n", r"data\.paths\[0\]: '/no/such/corpus.txt': no such file"),
     ("[data]\ntokenizer = 'gpt2'\n", r"data\.tokenizer: expected 'bytes', 'bpe' or the path"),
+    ("[parallel]\nreshard_after_forward = 'sometimes'\n",
+     r"parallel\.reshard_after_forward: expected one of \['default', 'always', 'never'\], "
+     r"got 'sometimes'"),
+    ("[parallel]\nreshard_after_forward = true\n",
+     r"parallel\.reshard_after_forward: expected str, got True"),
+    ("[train]\nloss_implementation = 'fused'\n",
+     r"train\.loss_implementation: expected one of \['auto', 'compiled', 'eager'\]"),
     ("[checkpoint]\nresume = '/no/such/checkpoint'\n", r"checkpoint\.resume: .*no such directory"),
     ("[parallel]\ndp = 0\n", r"parallel\.dp: must be >= 1, or -1"),
 ])
@@ -164,3 +171,14 @@ def test_data_errors_are_config_errors(tmp_path, capsys):
                           (short, "data.seq_len: the corpus has 10 tokens")):
         assert main(["default-cpu", "--check", "--data.paths", f'["{path}"]']) == 2
         assert message in capsys.readouterr().err
+
+
+def test_reshard_after_forward_policy():
+    policy = model_mod.reshard_after_forward
+    # default: reshard only units sharded over several ranks, never the last layer.
+    assert policy("default", 1) is False and policy("default", 8) is True
+    assert policy("default", 8, last_layer=True) is False
+    assert all(policy("always", n, last_layer=last) for n in (1, 8) for last in (False, True))
+    assert not any(policy("never", n, last_layer=last) for n in (1, 8) for last in (False, True))
+    with pytest.raises(ConfigError, match=r"parallel\.reshard_after_forward: expected one of"):
+        policy("sometimes", 1)

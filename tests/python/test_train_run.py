@@ -129,3 +129,35 @@ def test_pretrained_weights_from_a_local_directory(tmp_path):
     preset, loaded = _steps(tmp_path / "preset"), _steps(tmp_path / "loaded")
     assert loaded[0]["loss"] == preset[0]["loss"]
     assert json.loads((tmp_path / "loaded" / "run.json").read_text())["summary"]["config"]["model"]["init"] == "pretrained"
+
+
+@pytest.mark.parametrize("policy, resharded", [("default", [False, False]),
+                                               ("always", [True, True]),
+                                               ("never", [False, False])])
+def test_reshard_after_forward_reaches_fsdp(policy, resharded):
+    # One rank: 'default' keeps every layer's gathered parameters from the forward to the
+    # backward. A resharded layer holds its sharded DTensor parameters again after the forward.
+    from torch.distributed.tensor import DTensor
+
+    config = config_mod.load("default-cpu", [("data.seq_len", "32"), ("model.num_layers", "2"),
+                                             ("parallel.reshard_after_forward", f'"{policy}"')])
+    info = distributed.init("cpu")
+    try:
+        hf_config = model_mod.load_hf_config(config)
+        world_mesh, _ = distributed.meshes("cpu", 1, 1, 1)
+        model = model_mod.build_model(config, hf_config, info.device)
+        model_mod.apply_dispatch(model, config, info.device)
+        trainer = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
+        model_mod.apply_fsdp(trainer, model, world_mesh, None, torch.float32, 1,
+                             config.parallel.reshard_after_forward)
+        ids = torch.randint(0, 257, (1, 32))
+        ce, aux = trainer(ids, torch.roll(ids, -1, 1))
+        layers = model_mod.decoder_layers(model)
+        after_forward = [isinstance(layer.self_attn.q_proj.weight, DTensor) for layer in layers]
+        assert after_forward == resharded
+        (ce + aux).backward()
+        # After the backward every unit is sharded again, its gradients sharded DTensors.
+        assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+                   for p in model.parameters() if p.requires_grad)
+    finally:
+        distributed.shutdown(info)

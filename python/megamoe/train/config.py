@@ -28,6 +28,7 @@ BUILT_PRECISIONS = ("bf16",)
 BACKWARD_MODES = ("recompute", "saved")
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 LOSS_IMPLEMENTATIONS = ("auto", "compiled", "eager")
+RESHARD_POLICIES = ("default", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -161,6 +162,12 @@ class ParallelConfig:
                      minimum=-1)
     ep: int = option(1, "expert-parallel degree, inside one node (rank r of an EP group owns "
                      "experts [r*E/ep, (r+1)*E/ep))", minimum=1)
+    reshard_after_forward: str = option("default", "whether FSDP2 units free their gathered "
+                                        "bf16 parameters after the forward: 'always', "
+                                        "'never' (faster, ~2 bytes per parameter more "
+                                        "memory) or 'default' (only units sharded over more "
+                                        "than one rank, never the last decoder layer)",
+                                        choices=RESHARD_POLICIES)
 
 
 @dataclass

@@ -20,7 +20,7 @@ import sys
 import torch
 from torch import nn
 
-from .config import Config, ConfigError
+from .config import RESHARD_POLICIES, Config, ConfigError
 from .loss import chunked_linear_cross_entropy
 from .presets import make_config
 
@@ -229,10 +229,27 @@ def apply_compile(model) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+def reshard_after_forward(policy: str, mesh_size: int, *, last_layer: bool = False) -> bool:
+    """Whether an FSDP2 unit frees its unsharded (param_dtype) parameters after its forward
+    (parallel.reshard_after_forward). 'default': only where its mesh spans more than one
+    rank, and never for the last decoder layer, which the backward needs at once. On one
+    rank the all-gather is only a cast + copy of the local parameters: resharding saves the
+    memory of that copy but repeats it in the backward (docs/training.md)."""
+    if policy not in RESHARD_POLICIES:
+        raise ConfigError(f"parallel.reshard_after_forward: expected one of "
+                          f"{list(RESHARD_POLICIES)}, got {policy!r}")
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    return mesh_size > 1 and not last_layer
+
+
 def apply_fsdp(trainer_module: nn.Module, model, world_mesh, expert_mesh, param_dtype,
-               world_size: int) -> None:
+               world_size: int, reshard: str = "default") -> None:
     """FSDP2 units as described in the module docstring. `expert_mesh` (the dp dimension)
-    is None without expert parallelism: the experts then belong to their layer's unit."""
+    is None without expert parallelism: the experts then belong to their layer's unit.
+    `reshard`: parallel.reshard_after_forward's policy (see reshard_after_forward)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -241,21 +258,27 @@ def apply_fsdp(trainer_module: nn.Module, model, world_mesh, expert_mesh, param_
     # its inputs to param_dtype.
     experts_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                           cast_forward_inputs=False)
+    on_world = reshard_after_forward(reshard, world_mesh.size())
     layers = decoder_layers(model)
     blocks = {id(b): b for b in moe_blocks(model)}
     for index, layer in enumerate(layers):
         for block in (m for m in layer.modules() if id(m) in blocks):
-            fully_shard(block.gate, mesh=world_mesh, mp_policy=full)
+            fully_shard(block.gate, mesh=world_mesh, mp_policy=full,
+                        reshard_after_forward=on_world)
             if expert_mesh is not None:
-                fully_shard(block.experts, mesh=expert_mesh, mp_policy=experts_policy)
+                fully_shard(block.experts, mesh=expert_mesh, mp_policy=experts_policy,
+                            reshard_after_forward=reshard_after_forward(reshard,
+                                                                        expert_mesh.size()))
                 # Each rank's expert gradients already sum the tokens of its whole EP group;
                 # dividing by the world size (not the dp size) makes them the mean over every
                 # rank's loss, like the dense gradients.
                 block.experts.set_gradient_divide_factor(float(world_size))
-        # The last layer is needed again as soon as the backward starts.
+        last = index == len(layers) - 1
         fully_shard(layer, mesh=world_mesh, mp_policy=mixed,
-                    reshard_after_forward=index < len(layers) - 1)
-    fully_shard(model.get_input_embeddings(), mesh=world_mesh, mp_policy=mixed)
+                    reshard_after_forward=reshard_after_forward(reshard, world_mesh.size(),
+                                                                last_layer=last))
+    fully_shard(model.get_input_embeddings(), mesh=world_mesh, mp_policy=mixed,
+                reshard_after_forward=on_world)
     fully_shard(trainer_module, mesh=world_mesh, mp_policy=mixed, reshard_after_forward=False)
 
 
