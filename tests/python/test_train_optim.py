@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megamoe.train.optim import clip_grad_norm, warmup_decay
+from megamoe.train.optim import clip_and_step, clip_grad_norm, warmup_decay
 from moe_testing import BASE_SEED
 
 
@@ -40,3 +40,55 @@ def test_clip_grad_norm_matches_torch():
     before = [p.grad.clone() for p in params]
     assert clip_grad_norm(params, 0.0).item() == pytest.approx(1.0, rel=1e-5)
     assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
+
+
+def _adamw_steps(implementation, max_norm, clip_in_step, steps=3):
+    """Parameters after `steps` AdamW steps on fixed gradients, clipped either by
+    clip_and_step or by clip_grad_norm followed by a plain step; and the grad_scale values
+    the optimizer saw in its steps."""
+    generator = torch.Generator().manual_seed(BASE_SEED + 5)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator))
+              for shape in [(40, 30), (7,), (3, 5, 2)]]
+    grads = [torch.randn(p.shape, generator=generator) * 2 for p in params]
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}}[implementation]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **flags)
+    seen, step = [], optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.append(getattr(optimizer, "grad_scale", None))
+        return step(*args, **kwargs)
+
+    optimizer.step = recording_step
+    norms = []
+    for i in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g * (i + 1)
+        if clip_in_step:
+            norms.append(clip_and_step(optimizer, params, max_norm))
+        else:
+            norms.append(clip_grad_norm(params, max_norm))
+            optimizer.step()
+    assert getattr(optimizer, "grad_scale", None) is None  # nothing left for a later step
+    return [p.detach() for p in params], norms, seen
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+@pytest.mark.parametrize("max_norm", [1.0, 1e6, 0.0], ids=["clipping", "below-max", "off"])
+def test_clip_and_step_equals_clip_then_step(implementation, max_norm):
+    got, got_norms, seen = _adamw_steps(implementation, max_norm, clip_in_step=True)
+    want, want_norms, _ = _adamw_steps(implementation, max_norm, clip_in_step=False)
+    assert [n.item() for n in got_norms] == [n.item() for n in want_norms]
+    folded = implementation == "fused" and max_norm > 0
+    # The fused kernel got the clip as grad_scale = 1 / coefficient; the others a plain step.
+    assert all((s is not None) == folded for s in seen)
+    if folded and max_norm == 1.0:
+        assert [s.item() for s in seen] == pytest.approx([n.item() + 1e-6 for n in want_norms])
+        # Dividing by the reciprocal instead of multiplying: equal to fp32 rounding.
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    else:  # no clipping happens (or a coefficient of exactly 1): bitwise
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # The clip matters at max_norm = 1 (the norms are ~20), so the check above can fail.
+    unclipped, _, _ = _adamw_steps(implementation, 0.0, clip_in_step=False)
+    differs = any(not torch.allclose(a, b, rtol=1e-4) for a, b in zip(got, unclipped))
+    assert differs == (max_norm == 1.0)

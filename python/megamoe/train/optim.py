@@ -59,15 +59,15 @@ def _local_and_share(grad: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradients (before clipping), and clips them to max_norm when it
-    is > 0. Dense gradients are sharded over every rank and experts gradients over (dp, ep),
-    so each rank adds its local shards' squares and one all-reduce over the world gives the
-    total; this also works where the gradients live on different meshes (the dense and the
-    experts ones under EP), which torch.nn.utils.clip_grad_norm_ cannot combine."""
+def grad_norm(params) -> torch.Tensor | None:
+    """Global L2 norm of the gradients, or None when no parameter has one. Dense gradients
+    are sharded over every rank and experts gradients over (dp, ep), so each rank adds its
+    local shards' squares and one all-reduce over the world gives the total; this also works
+    where the gradients live on different meshes (the dense and the experts ones under EP),
+    which torch.nn.utils.clip_grad_norm_ cannot combine."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return None
     locals_, shares = zip(*(_local_and_share(g) for g in grads))
     norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in locals_])
     # Grouped by share, so the weights stay Python numbers (a tensor of them would be a
@@ -78,8 +78,56 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     total = sum(torch.stack(group).square().sum() * share for share, group in by_share.items())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
-    norm = total.sqrt()
+    return total.sqrt()
+
+
+def _clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (before clipping, see grad_norm), and clips them to
+    max_norm when it is > 0."""
+    params = list(params)
+    norm = grad_norm(params)
+    if norm is None:
+        return torch.zeros(())
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(list(locals_), scale)
+        grads = [_local_and_share(p.grad)[0] for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, _clip_coefficient(norm, max_norm))
+    return norm
+
+
+def _takes_grad_scale(optimizer) -> bool:
+    # torch's fused Adam/AdamW kernels divide every gradient by the optimizer's
+    # `grad_scale` tensor (the attribute GradScaler sets for optimizers that declare
+    # _step_supports_amp_scaling) inside the kernel that reads them anyway; the foreach and
+    # for-loop implementations refuse it.
+    return (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+            and bool(optimizer.defaults.get("fused"))
+            and getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+@torch.no_grad()
+def clip_and_step(optimizer, params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm(params, max_norm) then optimizer.step(); returns the norm before
+    clipping. With a fused AdamW the clipping rides in the step: its grad_scale is set to
+    1 / clip coefficient for this step (and reset after), which saves a separate read and
+    write of every gradient; the result equals clip-then-step to rounding (the kernel
+    divides by the reciprocal instead of multiplying)."""
+    params = list(params)
+    if max_norm <= 0 or not _takes_grad_scale(optimizer):
+        norm = clip_grad_norm(params, max_norm)
+        optimizer.step()
+        return norm
+    norm = grad_norm(params)
+    if norm is None:
+        optimizer.step()
+        return torch.zeros(())
+    optimizer.grad_scale = 1.0 / _clip_coefficient(norm, max_norm)
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = None
     return norm

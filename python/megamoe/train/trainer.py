@@ -378,9 +378,8 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
                 ce_sum += ce.detach()
                 aux_sum += aux.detach()
             opt_start = clock.mark()
-            grad_norm = optim_mod.clip_grad_norm(params, config.optim.grad_clip)
             lr = setup.scheduler.get_last_lr()[0]
-            setup.optimizer.step()
+            grad_norm = optim_mod.clip_and_step(setup.optimizer, params, config.optim.grad_clip)
             setup.scheduler.step()
             setup.optimizer.zero_grad(set_to_none=True)
             opt_end = clock.mark()
