@@ -57,20 +57,27 @@ def test_resume_continues_the_same_curve(tmp_path):
     assert summary["resumed_from"].endswith("step-000003")
 
 
+def _one_rank_fsdp_model(config, info, param_dtype, experts_unit):
+    """The config's model and its CausalLMTrainer under FSDP2 on a one-rank CPU mesh; with
+    experts_unit, every experts module is its own unit (as under EP)."""
+    hf_config = model_mod.load_hf_config(config)
+    world_mesh, _ = distributed.meshes("cpu", 1, 1, 1)
+    model = model_mod.build_model(config, hf_config, info.device)
+    model_mod.apply_dispatch(model, config, info.device)
+    trainer = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
+    model_mod.apply_fsdp(trainer, model, world_mesh, world_mesh if experts_unit else None,
+                         param_dtype, 1, config.parallel.reshard_after_forward)
+    return model, trainer
+
+
 @pytest.mark.parametrize("experts_unit", [False, True], ids=["experts-in-layer", "experts-own-unit"])
 def test_router_runs_in_fp32_under_bf16(experts_unit):
     config = config_mod.load("default-cpu", [("train.dtype", "bf16"), ("data.seq_len", "32"),
                                              ("train.activation_checkpointing", "false")])
     info = distributed.init("cpu")
     try:
-        hf_config = model_mod.load_hf_config(config)
-        world_mesh, _ = distributed.meshes("cpu", 1, 1, 1)
-        model = model_mod.build_model(config, hf_config, info.device)
-        model_mod.apply_dispatch(model, config, info.device)
-        trainer = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
         # Under EP the experts are their own FSDP unit (over the dp mesh; here one rank).
-        expert_mesh = world_mesh if experts_unit else None
-        model_mod.apply_fsdp(trainer, model, world_mesh, expert_mesh, torch.bfloat16, 1)
+        model, trainer = _one_rank_fsdp_model(config, info, torch.bfloat16, experts_unit)
         seen = {}
 
         def experts_inputs(module, args):
@@ -143,13 +150,7 @@ def test_reshard_after_forward_reaches_fsdp(policy, resharded):
                                              ("parallel.reshard_after_forward", f'"{policy}"')])
     info = distributed.init("cpu")
     try:
-        hf_config = model_mod.load_hf_config(config)
-        world_mesh, _ = distributed.meshes("cpu", 1, 1, 1)
-        model = model_mod.build_model(config, hf_config, info.device)
-        model_mod.apply_dispatch(model, config, info.device)
-        trainer = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
-        model_mod.apply_fsdp(trainer, model, world_mesh, None, torch.float32, 1,
-                             config.parallel.reshard_after_forward)
+        model, trainer = _one_rank_fsdp_model(config, info, torch.float32, False)
         ids = torch.randint(0, 257, (1, 32))
         ce, aux = trainer(ids, torch.roll(ids, -1, 1))
         layers = model_mod.decoder_layers(model)

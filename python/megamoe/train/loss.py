@@ -27,15 +27,21 @@ from .config import LOSS_IMPLEMENTATIONS as IMPLEMENTATIONS
 IGNORE_INDEX = -100
 
 
-def _loss_and_grad_eager(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                         accumulate: torch.dtype, want_grad: bool):
-    """(sum of the chunk's token losses, d(that sum)/d logits in the logits' dtype or None)."""
-    logits = logits.to(accumulate)
+def _chunk_loss(x: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    """(valid rows, their labels (0 elsewhere), log-sum-exp, sum of the valid rows' losses)
+    of logits x, in x's dtype."""
     valid = labels != ignore_index
     target = torch.where(valid, labels, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, target[:, None]).squeeze(1)
-    total = torch.where(valid, lse - picked, 0).sum()
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    return valid, target, lse, torch.where(valid, lse - picked, 0).sum()
+
+
+def _loss_and_grad_eager(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                         accumulate: torch.dtype, want_grad: bool):
+    """(sum of the chunk's token losses, d(that sum)/d logits in `accumulate` or None)."""
+    logits = logits.to(accumulate)
+    valid, target, lse, total = _chunk_loss(logits, labels, ignore_index)
     if not want_grad:
         return total, None
     # d(sum of losses)/d logits = softmax - one_hot(label), zero for ignored rows; computed
@@ -49,13 +55,9 @@ def _loss_and_grad_eager(logits: torch.Tensor, labels: torch.Tensor, ignore_inde
 def _loss_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
                            accumulate: torch.dtype, want_grad: bool):
     """The eager function's math written out of place, for torch.compile to fuse: the fp32
-    copy of the logits then never reaches memory."""
+    copy of the logits then never reaches memory. The gradient is in the logits' dtype."""
     x = logits.to(accumulate)
-    valid = labels != ignore_index
-    target = torch.where(valid, labels, 0)
-    lse = torch.logsumexp(x, dim=-1)
-    picked = x.gather(1, target[:, None]).squeeze(1)
-    total = torch.where(valid, lse - picked, 0).sum()
+    valid, target, lse, total = _chunk_loss(x, labels, ignore_index)
     if not want_grad:
         return total, None
     columns = torch.arange(x.shape[1], device=x.device)
