@@ -70,7 +70,12 @@ def _loss_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, ignore_in
 def _compiled():
     # dynamic=False: the vocabulary (the reduction's length) stays a constant of the kernel;
     # the row count is marked dynamic per call, so the last, shorter chunk reuses the code.
-    return torch.compile(_loss_and_grad_fusable, dynamic=False, fullgraph=True)
+    # Inductor's deterministic mode picks each reduction's block sizes by its heuristics
+    # instead of timing candidates on the device: the timed pick may differ between
+    # processes, and with it the summation order, so two identical runs would no longer
+    # give bitwise-equal losses.
+    return torch.compile(_loss_and_grad_fusable, dynamic=False, fullgraph=True,
+                         options={"deterministic": True})
 
 
 def _loss_and_grad_compiled(logits, labels, ignore_index, accumulate, want_grad):
