@@ -114,3 +114,33 @@ def test_implementation_choice():
     assert resolve_implementation("auto", torch.device("cpu")) == "eager"
     assert resolve_implementation("auto", torch.device("cuda")) == "compiled"
     assert resolve_implementation("eager", torch.device("cuda")) == "eager"
+
+
+def test_auto_falls_back_to_eager_when_compiling_fails(monkeypatch):
+    # 'auto' on CUDA compiles; where torch.compile cannot build code it warns once and runs
+    # the eager ops, while an explicit 'compiled' raises. Simulated on CPU: the chunk
+    # function of a CUDA 'auto' with a compiler that fails.
+    from megamoe.train import loss as loss_mod
+
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise torch._dynamo.exc.BackendCompilerFailed(failing, RuntimeError("no C compiler"), None)
+
+    monkeypatch.setattr(loss_mod, "_compiled", lambda: failing)
+    monkeypatch.setattr(loss_mod, "_compile_failures", [])
+    generator = torch.Generator().manual_seed(BASE_SEED + 3)
+    logits = torch.randn(6, 11, generator=generator).bfloat16()
+    labels = torch.tensor([1, 2, IGNORE_INDEX, 4, 5, 10])
+    auto = loss_mod._chunk_function("auto", torch.device("cuda"))
+    with pytest.warns(RuntimeWarning, match=r"'auto'.*no C compiler.*eager"):
+        total, grad = auto(logits, labels, IGNORE_INDEX, torch.float32, True)
+    want_total, want_grad = loss_mod._loss_and_grad_eager(logits, labels, IGNORE_INDEX,
+                                                          torch.float32, True)
+    assert torch.equal(total, want_total) and torch.equal(grad, want_grad)
+    auto(logits, labels, IGNORE_INDEX, torch.float32, True)  # no second attempt or warning
+    assert len(calls) == 1
+    strict = loss_mod._chunk_function("compiled", torch.device("cuda"))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        strict(logits, labels, IGNORE_INDEX, torch.float32, True)

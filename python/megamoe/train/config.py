@@ -150,9 +150,10 @@ class TrainConfig:
                                   "cross-entropy (its logits are chunk x vocab)", minimum=1)
     loss_implementation: str = option("auto", "the chunked loss's softmax and gradient between "
                                       "its matmuls: 'compiled' (torch.compile fuses them into "
-                                      "two passes over the bf16 logits), 'eager' (PyTorch ops "
-                                      "over an fp32 copy) or 'auto' (compiled on CUDA, eager "
-                                      "on CPU)", choices=LOSS_IMPLEMENTATIONS)
+                                      "a few passes over the bf16 logits), 'eager' (PyTorch "
+                                      "ops over an fp32 copy) or 'auto' (compiled on CUDA, "
+                                      "falling back to eager with a warning if compiling "
+                                      "fails; eager on CPU)", choices=LOSS_IMPLEMENTATIONS)
 
 
 @dataclass

@@ -19,6 +19,7 @@ compiled one on CUDA and the eager one elsewhere (a CPU run then needs no C++ co
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -84,7 +85,29 @@ def _loss_and_grad_compiled(logits, labels, ignore_index, accumulate, want_grad)
     return _compiled()(logits, labels, ignore_index, accumulate, want_grad)
 
 
+_compile_failures: list[str] = []  # why 'auto' fell back to the eager ops (once a process)
+
+
+def _loss_and_grad_auto(logits, labels, ignore_index, accumulate, want_grad):
+    """'auto' on CUDA: the compiled function, unless torch.compile cannot build code on this
+    machine (e.g. Triton finds no C compiler for its launcher): then the eager ops, said
+    once. An explicit 'compiled' raises instead."""
+    if not _compile_failures:
+        try:
+            return _loss_and_grad_compiled(logits, labels, ignore_index, accumulate, want_grad)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            reason = f"{type(error.inner_exception).__name__}: {error.inner_exception}"
+            _compile_failures.append(reason)
+            warnings.warn("chunked_linear_cross_entropy (train.loss_implementation = 'auto'): "
+                          f"torch.compile failed ({reason.splitlines()[0]}); running the eager "
+                          "ops instead ('compiled' makes this an error, 'eager' skips the "
+                          "attempt)", RuntimeWarning, stacklevel=2)
+    return _loss_and_grad_eager(logits, labels, ignore_index, accumulate, want_grad)
+
+
 def resolve_implementation(implementation: str, device: torch.device) -> str:
+    """'compiled' or 'eager': what `implementation` runs on `device` ('auto' may still fall
+    back to eager when compiling fails)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"chunked_linear_cross_entropy: implementation must be one of "
                          f"{', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
@@ -93,14 +116,19 @@ def resolve_implementation(implementation: str, device: torch.device) -> str:
     return implementation
 
 
+def _chunk_function(implementation: str, device: torch.device):
+    kind = resolve_implementation(implementation, device)
+    if kind == "eager":
+        return _loss_and_grad_eager
+    return _loss_and_grad_auto if implementation == "auto" else _loss_and_grad_compiled
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                chunk_size: int, ignore_index: int, implementation: str):
+                chunk_size: int, ignore_index: int, loss_and_grad):
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_grad = needs_hidden or needs_weight
-        loss_and_grad = (_loss_and_grad_compiled if implementation == "compiled"
-                         else _loss_and_grad_eager)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         # Each chunk's weight-gradient GEMM rounds to the weight's dtype, as the plain
         # backward's single GEMM would; the sum over chunks is kept in fp32 (fp64 for fp64).
@@ -152,6 +180,5 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                          f"got {list(labels.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunked_linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
-    implementation = resolve_implementation(implementation, hidden.device)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index,
-                                            implementation)
+                                            _chunk_function(implementation, hidden.device))
