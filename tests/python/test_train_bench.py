@@ -28,10 +28,19 @@ def test_real_summary_becomes_a_row(tmp_path):
     assert row["step_ms"] > 0 and row["optimizer_ms"] > 0
     for part in ("attention", "router", "experts", "lm_head_loss"):
         assert 0 < row["parts"][part]["fwd_ms"] < row["parts"][part]["fwd_bwd_ms"] * 2
+    # The attention kernel alone (what a recompute skips when its outputs are kept).
+    attention = row["parts"]["attention"]
+    assert 0 < attention["kernel_fwd_ms"] < attention["fwd_ms"]
     breakdown = row["breakdown"]
     assert set(breakdown) == {"attention_ms", "router_ms", "experts_ms", "lm_head_loss_ms",
                               "optimizer_ms", "other_ms"}
     assert sum(breakdown.values()) == pytest.approx(row["step_ms"])
+    # The checkpointed forward that the breakdown adds per layer leaves the kernel out.
+    parts = row["parts"]
+    full = bench.step_breakdown(parts, 2, 100.0, 1.0, True, 1, saves_attention=False)
+    kept = bench.step_breakdown(parts, 2, 100.0, 1.0, True, 1, saves_attention=True)
+    assert full["attention_ms"] - kept["attention_ms"] == pytest.approx(
+        2 * attention["kernel_fwd_ms"])
 
 
 def test_merge_compares_with_mega_moe(tmp_path):

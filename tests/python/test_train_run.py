@@ -11,6 +11,7 @@ from megamoe.train import distributed
 from megamoe.train import model as model_mod
 from megamoe.train import trainer
 from megamoe.train.trainer import main, run
+from moe_testing import BASE_SEED
 
 
 def _steps(log_dir):
@@ -57,13 +58,16 @@ def test_resume_continues_the_same_curve(tmp_path):
     assert summary["resumed_from"].endswith("step-000003")
 
 
-def _one_rank_fsdp_model(config, info, param_dtype, experts_unit):
+def _one_rank_fsdp_model(config, info, param_dtype, experts_unit, save_attention=None):
     """The config's model and its CausalLMTrainer under FSDP2 on a one-rank CPU mesh; with
-    experts_unit, every experts module is its own unit (as under EP)."""
+    experts_unit, every experts module is its own unit (as under EP); save_attention: None
+    for no activation checkpointing, else its checkpoint_save_attention."""
     hf_config = model_mod.load_hf_config(config)
     world_mesh, _ = distributed.meshes("cpu", 1, 1, 1)
     model = model_mod.build_model(config, hf_config, info.device)
     model_mod.apply_dispatch(model, config, info.device)
+    if save_attention is not None:
+        model_mod.apply_activation_checkpointing(model, save_attention)
     trainer = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
     model_mod.apply_fsdp(trainer, model, world_mesh, world_mesh if experts_unit else None,
                          param_dtype, 1, config.parallel.reshard_after_forward)
@@ -162,3 +166,40 @@ def test_reshard_after_forward_reaches_fsdp(policy, resharded):
                    for p in model.parameters() if p.requires_grad)
     finally:
         distributed.shutdown(info)
+
+
+def test_checkpointing_keeps_the_attention_kernel_outputs():
+    # Selective checkpointing: the backward's recompute of each layer reuses the forward's
+    # attention kernel outputs (the kernel runs once per layer, not twice) and the
+    # gradients are bitwise those of the full recompute.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kernels = set(model_mod.attention_kernels())
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func in kernels
+            return func(*args, **(kwargs or {}))
+
+    config = config_mod.load("default-cpu", [("data.seq_len", "32"), ("model.num_layers", "2")])
+    ids = torch.randint(0, 257, (1, 32), generator=torch.Generator().manual_seed(BASE_SEED))
+    results = {}
+    for save in (False, True):
+        info = distributed.init("cpu")
+        try:
+            model, trainer = _one_rank_fsdp_model(config, info, torch.float32, False, save)
+            Count.calls = 0
+            with Count():
+                ce, aux = trainer(ids, torch.roll(ids, -1, 1))
+                (ce + aux).backward()
+            grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+            results[save] = (Count.calls, ce.item(), grads)
+        finally:
+            distributed.shutdown(info)
+    layers = 2
+    assert results[False][0] == 2 * layers and results[True][0] == layers
+    assert results[True][1] == results[False][1]
+    assert results[True][2].keys() == results[False][2].keys()
+    assert all(torch.equal(results[True][2][n], g) for n, g in results[False][2].items())

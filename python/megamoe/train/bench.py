@@ -202,7 +202,8 @@ def row_from_summary(summary: dict) -> dict:
     if row["parts"] and median:
         row["breakdown"] = step_breakdown(
             row["parts"], summary["model"]["num_layers"], median * 1e3, row["optimizer_ms"],
-            config["train"]["activation_checkpointing"], config["train"]["grad_accum"])
+            config["train"]["activation_checkpointing"], config["train"]["grad_accum"],
+            config["train"].get("checkpoint_save_attention", False))
     return row
 
 

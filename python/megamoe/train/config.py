@@ -136,6 +136,11 @@ class TrainConfig:
     grad_accum: int = option(1, "micro-batches per optimizer step", minimum=1)
     activation_checkpointing: bool = option(True, "full activation checkpointing, one "
                                             "region per decoder layer")
+    checkpoint_save_attention: bool = option(True, "with activation_checkpointing: keep the "
+                                             "fused attention kernel's outputs (bf16 tokens x "
+                                             "heads x head_dim + fp32 log-sum-exp per layer) "
+                                             "so the backward does not rerun it; false "
+                                             "recomputes the whole layer")
     compile: bool = option(False, "torch.compile each decoder layer")
     seed: int = option(0, "seed of the initialisation, the data order and the RNG", minimum=0)
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True) and "

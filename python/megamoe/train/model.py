@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import os
 import sys
 
@@ -216,10 +217,34 @@ def sdpa_backend(name: str):
     return sdpa_kernel([first, *order], set_priority=True)
 
 
-def apply_activation_checkpointing(model) -> None:
+def attention_kernels() -> list:
+    """The aten ops of PyTorch's fused attention kernels (sdpa's backends but 'math', which
+    is made of smaller ops), those this PyTorch build has."""
+    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
+
+
+def apply_activation_checkpointing(model, save_attention: bool = False) -> None:
+    """One checkpointed region per decoder layer. With save_attention, the outputs of the
+    fused attention kernels are kept from the forward (selective checkpointing), so the
+    backward's recompute of the layer reruns everything but the attention kernel: the same
+    values, since the kept outputs are what the recompute would produce again."""
     # Non-reentrant: the router logits recorded inside each layer (for the load-balancing
     # loss) keep their gradient path, and nested FSDP units work inside the region.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if save_attention:
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        kept = set(attention_kernels())
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+        # A fresh pair of contexts (forward, recompute) for every checkpointed call.
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def apply_compile(model) -> None:

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import model as model_mod
 from .config import Config
@@ -111,6 +112,9 @@ def time_parts(config: Config, hf_config, device: torch.device, say=print, *,
         [hidden], attn_params)
     with model_mod.sdpa_backend(config.model.sdpa_backend):
         results["attention"] = _pair(fwd, fwd_bwd, device, iterations, warmup)
+        # What the backward's recompute skips when train.checkpoint_save_attention keeps
+        # the kernel's outputs.
+        results["attention"]["kernel_fwd_ms"] = _kernel_forward_ms(fwd, device, iterations)
 
     flat = hidden.detach().reshape(tokens, -1).requires_grad_()
     router = block.gate
@@ -138,6 +142,49 @@ def time_parts(config: Config, hf_config, device: torch.device, say=print, *,
     return results
 
 
+class _KernelClock(TorchDispatchMode):
+    """Marks (CUDA events or host clock) around every fused attention kernel it sees."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.kernels = set(model_mod.attention_kernels())
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.kernels:
+            return func(*args, **(kwargs or {}))
+        start = self._mark()
+        out = func(*args, **(kwargs or {}))
+        self.marks.append((start, self._mark()))
+        return out
+
+    def elapsed_ms(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in self.marks)
+        return sum(b - a for a, b in self.marks) * 1e3
+
+
+def _kernel_forward_ms(fwd, device, iterations: int) -> float:
+    """Median time of the fused attention kernels within one call of fwd (0 where sdpa
+    runs its 'math' backend, which has no single kernel)."""
+    times = []
+    for _ in range(iterations):
+        clock = _KernelClock(device)
+        with torch.no_grad(), clock:
+            fwd()
+        times.append(clock.elapsed_ms())
+    return statistics.median(times)
+
+
 def _pair(fwd, fwd_bwd, device, iterations, warmup) -> dict:
     with torch.enable_grad():
         return {"fwd_ms": _measure(fwd, device, iterations, warmup),
@@ -154,14 +201,17 @@ def _first_moe_layer(hf_config) -> int | None:
 
 
 def step_breakdown(parts: dict, num_layers: int, step_ms: float, optimizer_ms: float | None,
-                   checkpointing: bool, grad_accum: int) -> dict:
+                   checkpointing: bool, grad_accum: int, saves_attention: bool = False) -> dict:
     """The parts scaled to one optimizer step: per micro-batch every layer's attention,
     router and experts fwd+bwd (plus one more forward of each under activation
-    checkpointing) and one LM head + loss; once per step the optimizer. `other` is the
-    measured step time minus all of that (embedding, norms, residuals, FSDP's copies and
-    collectives, launch gaps)."""
-    per_layer = {k: parts[k]["fwd_bwd_ms"] + (parts[k]["fwd_ms"] if checkpointing else 0.0)
+    checkpointing, without the attention kernel when its outputs are kept) and one LM
+    head + loss; once per step the optimizer. `other` is the measured step time minus all
+    of that (embedding, norms, residuals, FSDP's copies and collectives, launch gaps)."""
+    recompute = {k: parts[k]["fwd_ms"] if checkpointing else 0.0
                  for k in ("attention", "router", "experts")}
+    if checkpointing and saves_attention:
+        recompute["attention"] -= parts["attention"].get("kernel_fwd_ms", 0.0)
+    per_layer = {k: parts[k]["fwd_bwd_ms"] + recompute[k] for k in recompute}
     total = {k: v * num_layers * grad_accum for k, v in per_layer.items()}
     total["lm_head_loss"] = parts["lm_head_loss"]["fwd_bwd_ms"] * grad_accum
     total["optimizer"] = optimizer_ms or 0.0

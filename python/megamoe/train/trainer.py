@@ -291,7 +291,7 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     dispatch = model_mod.apply_dispatch(model, config, device, group=group, buffer=buffer)
     say(f"experts: {dispatch}")
     if config.train.activation_checkpointing:
-        model_mod.apply_activation_checkpointing(model)
+        model_mod.apply_activation_checkpointing(model, config.train.checkpoint_save_attention)
     if config.train.compile:
         model_mod.apply_compile(model)
     aux_coef = model_mod.aux_loss_coefficient(config, hf_config)
