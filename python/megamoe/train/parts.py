@@ -179,7 +179,8 @@ def _kernel_forward_ms(fwd, device, iterations: int) -> float:
     times = []
     for _ in range(iterations):
         clock = _KernelClock(device)
-        with torch.no_grad(), clock:
+        # With autograd on, as in training: the kernel then also writes its log-sum-exp.
+        with torch.enable_grad(), clock:
             fwd()
         times.append(clock.elapsed_ms())
     return statistics.median(times)
