@@ -134,7 +134,7 @@ class TrainConfig:
     steps: int = option(100, "optimizer steps", minimum=1)
     micro_batch_size: int = option(1, "sequences per rank per micro-batch", minimum=1)
     grad_accum: int = option(1, "micro-batches per optimizer step", minimum=1)
-    activation_checkpointing: bool = option(True, "full activation checkpointing, one "
+    activation_checkpointing: bool = option(True, "activation checkpointing, one "
                                             "region per decoder layer")
     checkpoint_save_attention: bool = option(True, "with activation_checkpointing: keep the "
                                              "fused attention kernel's outputs (bf16 tokens x "
