@@ -32,7 +32,10 @@ def load(extra: str = "", overrides=(), base: str = BASE):
     ("[model.moe.dispatch]\ntype = 'megamoe'\n",
      r"model\.moe\.dispatch\.type: expected one of \['mega_moe', 'torch', 'hf'\], got 'megamoe'; "
      r"did you mean 'mega_moe'\?"),
-    ("[model.moe.dispatch]\nprecision = 'fp8'\n", r"model\.moe\.dispatch\.precision: 'fp8' is not built"),
+    ("[model.moe.dispatch]\ntype = 'hf'\nprecision = 'fp8'\n",
+     r"model\.moe\.dispatch\.precision: 'fp8' is not built for model\.moe\.dispatch\.type = 'hf'"),
+    ("[model.moe.dispatch]\ntype = 'torch'\nprecision = 'fp8_bwd'\n",
+     r"model\.moe\.dispatch\.precision: 'fp8_bwd' is not built for model\.moe\.dispatch\.type = 'torch'"),
     ("[model.moe.dispatch]\nprecision = 'mxfp8'\n", r"model\.moe\.dispatch\.precision: 'mxfp8' needs Blackwell"),
     ("[model.moe.dispatch]\nprecision = 'fp16'\n", r"model\.moe\.dispatch\.precision: expected one of"),
     ("[model.moe.dispatch]\nbackward_mode = 'keep'\n", r"model\.moe\.dispatch\.backward_mode: expected one of"),

@@ -24,7 +24,10 @@ from pathlib import Path
 
 DISPATCH_TYPES = ("mega_moe", "torch", "hf")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
-BUILT_PRECISIONS = ("bf16",)
+# What each dispatch type runs besides bf16: megamoe's fused FP8 layer ('mega_moe'; on a CPU
+# its reference backend computes the exact math), the torch baseline's FP8 recipe.
+BUILT_PRECISIONS = {"mega_moe": ("bf16", "fp8", "fp8_bwd"), "torch": ("bf16", "fp8"),
+                    "hf": ("bf16",)}
 BACKWARD_MODES = ("recompute", "saved")
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 LOSS_IMPLEMENTATIONS = ("auto", "compiled", "eager")
@@ -49,8 +52,9 @@ class DispatchConfig:
                        "sm_90a backend on GPU, its reference backend on CPU), 'torch' "
                        "(megamoe's TorchTitan-style torch._grouped_mm baseline) or 'hf' "
                        "(transformers' own 'grouped_mm' experts)", choices=DISPATCH_TYPES)
-    precision: str = option("bf16", "matrix precision of the experts; only 'bf16' is built "
-                            "today ('fp8', 'fp8_bwd' are planned; 'mxfp8' needs Blackwell)",
+    precision: str = option("bf16", "matrix precision of the experts: 'bf16'; 'fp8' (blockwise "
+                            "FP8 forward and backward) and 'fp8_bwd' (FP8 backward) for "
+                            "'mega_moe'; 'fp8' for 'torch'; 'mxfp8' needs Blackwell",
                             choices=PRECISIONS)
     backward_mode: str = option("saved", "'saved' keeps the experts' L1 output for the "
                                 "backward (under activation checkpointing only for the layer "
@@ -399,9 +403,11 @@ def check_static(config: Config) -> None:
     if model.init == "pretrained" and not model.path:
         raise ConfigError("model.init = 'pretrained' needs model.path (a preset has no weights)")
     dispatch = model.moe.dispatch
-    if dispatch.precision not in BUILT_PRECISIONS:
-        why = ("needs Blackwell (sm_100) block-scaled MMA; on Hopper only 'bf16' is built"
-               if dispatch.precision == "mxfp8" else "is not built yet; use 'bf16'")
+    built = BUILT_PRECISIONS[dispatch.type]
+    if dispatch.precision not in built:
+        why = ("needs Blackwell (sm_100) block-scaled MMA; on Hopper use 'bf16' or 'fp8'"
+               if dispatch.precision == "mxfp8" else
+               f"is not built for model.moe.dispatch.type = {dispatch.type!r}; use one of {list(built)}")
         raise ConfigError(f"model.moe.dispatch.precision: {dispatch.precision!r} {why}")
     if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {config.optim.betas}")
