@@ -9,9 +9,7 @@
 // partial products (four m64n128k32 MMAs) go into scratch accumulators, which are then
 // scaled and added into the fp32 sums the epilogue receives: sum += partial * sa * sb.
 // The warpgroup waits for its MMAs before that promotion; the other consumer warpgroup's
-// MMAs keep the tensor cores busy meanwhile. For that the two take turns to issue (named
-// barriers kIssue0/1): otherwise both issue at once, their MMAs finish together, and both
-// promote while the tensor cores idle.
+// MMAs keep the tensor cores busy meanwhile.
 //
 // Same members as MainloopBf16 (see there), plus kScaled / kBRowScales for the loaders and
 // kConsumerArrivals: every warp reads the stage's scales, so each warp releases the stage.
@@ -86,16 +84,6 @@ struct MainloopFp8 {
   __device__ __forceinline__ void load_extras(Tiles<kStages>&, int, uint64_t*, const Tile&,
                                               int) const {}
 
-  // Turns: warpgroup 0 issues first. Warpgroup c waits on kIssue0 + c before each k-block's
-  // MMAs and arrives on the other's barrier after; warpgroup 1's opening arrival and
-  // warpgroup 0's closing wait pair off the one arrival too many.
-  __device__ __forceinline__ void start(int consumer) const {
-    if (consumer == 1) named_barrier_arrive(int(NamedBarrier::kIssue0), 256);
-  }
-  __device__ __forceinline__ void finish(int consumer) const {
-    if (consumer == 0) named_barrier_sync(int(NamedBarrier::kIssue0), 256);
-  }
-
   template <bool kGenericProxyA, int kStages>
   __device__ __forceinline__ void mma(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
                                       PipelineState<kStages>& state, const Tile& t,
@@ -124,7 +112,6 @@ struct MainloopFp8 {
       const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]);
 #pragma unroll
       for (int i = 0; i < kAccumulators; ++i) fence_operand(partial[i]);
-      named_barrier_sync(int(NamedBarrier::kIssue0) + consumer, 256);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 32; ++kk) {
@@ -132,7 +119,6 @@ struct MainloopFp8 {
         wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + 2 * kk, kk > 0 ? 1 : 0);
       }
       wgmma_commit();
-      named_barrier_arrive(int(NamedBarrier::kIssue0) + (1 - consumer), 256);
       const float* a_scales = tiles.a_scales[state.stage] + a_offset + consumer * 64;
       const float sa[2] = {a_scales[row], a_scales[row + 8]};
       wgmma_wait<0>();
