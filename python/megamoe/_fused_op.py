@@ -84,6 +84,15 @@ def grad_targets(grads: list[Tensor], acc_gate_up: Optional[Tensor],
                         for acc, g in ((acc_gate_up, grads[2]), (acc_down, grads[3]))]
 
 
+def _gradient_buffers(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down):
+    """(the op's outputs, where each gradient is written, which the library computes)."""
+    grads = grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down)
+    targets = grad_targets(grads, acc_gate_up, acc_down)
+    computed = [needs[0], needs[1], needs[2] or acc_gate_up is not None,
+                needs[3] or acc_down is not None]
+    return grads, targets, computed
+
+
 def keeps_h(backward_mode: str, x: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
             w_down: Tensor) -> bool:
     """The "saved" mode keeps h only when a backward can follow."""
@@ -102,10 +111,8 @@ def fused_moe_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Te
     instead (and comes back empty)."""
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
     h_saved = saved_h.numel() > 0
-    grads = grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down)
-    targets = grad_targets(grads, acc_gate_up, acc_down)
-    needs = [needs[0], needs[1], needs[2] or acc_gate_up is not None,
-             needs[3] or acc_down is not None]
+    grads, targets, needs = _gradient_buffers(x, topk_ids, w_gate_up, w_down, needs,
+                                              acc_gate_up, acc_down)
     with torch.cuda.device(x.device):
         nbytes = backward_workspace_bytes(T, k, H, I, E, h_saved)
         workspace = _lib.workspace(nbytes, x.device)
@@ -211,10 +218,8 @@ def fused_moe_fp8_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights
     """As fused_moe_backward, with the backward's GEMMs in FP8."""
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
     h_saved = saved_h.numel() > 0
-    grads = grad_outputs(x, topk_ids, w_gate_up, w_down, needs, acc_gate_up, acc_down)
-    targets = grad_targets(grads, acc_gate_up, acc_down)
-    needs = [needs[0], needs[1], needs[2] or acc_gate_up is not None,
-             needs[3] or acc_down is not None]
+    grads, targets, needs = _gradient_buffers(x, topk_ids, w_gate_up, w_down, needs,
+                                              acc_gate_up, acc_down)
     with torch.cuda.device(x.device):
         nbytes = fp8_backward_workspace_bytes(T, k, H, I, E, h_saved, forward_fp8)
         workspace = _lib.workspace(nbytes, x.device)

@@ -3,6 +3,7 @@
 // the error measure. The references are CPU products in double of the same bf16 inputs.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -216,5 +217,61 @@ int64_t bad_pad_elements(const std::vector<uint16_t>& out, const HostGroups& g, 
 }
 inline bool is_poison(uint16_t bits) { return bits == kBf16NaN; }
 inline bool is_zero(uint16_t bits) { return bf16_value(bits) == 0.0; }
+
+// silu(g) u of each row of h = [g | u] ([rows, 2I] -> [rows, I]), in double.
+inline std::vector<double> swiglu_reference(const std::vector<double>& h, int64_t rows, int64_t I) {
+  std::vector<double> out(rows * I);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < I; ++c) {
+      const double gate = h[r * 2 * I + c], up = h[r * 2 * I + I + c];
+      out[r * I + c] = gate / (1.0 + std::exp(-gate)) * up;
+    }
+  }
+  return out;
+}
+
+// The SwiGLU backward's per-row inputs besides the GEMM's: router weights of 2 * rows slots
+// and a distinct slot for each row.
+struct SwiGLUSlots {
+  std::vector<float> weights;
+  std::vector<int32_t> row_slot;
+};
+inline SwiGLUSlots random_swiglu_slots(int64_t rows, std::mt19937_64& rng) {
+  SwiGLUSlots s;
+  s.weights.resize(2 * rows);
+  std::uniform_real_distribution<float> uniform(0.05f, 1.f);
+  for (auto& x : s.weights) x = uniform(rng);
+  s.row_slot.resize(2 * rows);
+  for (int64_t i = 0; i < 2 * rows; ++i) s.row_slot[i] = static_cast<int32_t>(i);
+  std::shuffle(s.row_slot.begin(), s.row_slot.end(), rng);
+  s.row_slot.resize(rows);
+  return s;
+}
+
+// The SwiGLU backward in double from z = the dgrad's product and h = [g | u]: dh, a and
+// the dp partials (one per block_n columns of I).
+struct SwiGLUBackwardReference {
+  std::vector<double> dh, a, dp;
+};
+inline SwiGLUBackwardReference swiglu_backward_reference(const std::vector<double>& z,
+                                                         const std::vector<double>& h,
+                                                         const SwiGLUSlots& slots, int64_t rows,
+                                                         int64_t I, int64_t block_n) {
+  const int64_t dp_cols = I / block_n;
+  SwiGLUBackwardReference ref{std::vector<double>(rows * 2 * I), std::vector<double>(rows * I),
+                              std::vector<double>(rows * dp_cols, 0.0)};
+  for (int64_t r = 0; r < rows; ++r) {
+    const double weight = slots.weights[slots.row_slot[r]];
+    for (int64_t c = 0; c < I; ++c) {
+      const double gate = h[r * 2 * I + c], up = h[r * 2 * I + I + c], zc = z[r * I + c];
+      const double sig = 1.0 / (1.0 + std::exp(-gate)), a = gate * sig * up, da = weight * zc;
+      ref.dh[r * 2 * I + c] = da * up * sig * (1.0 + gate * (1.0 - sig));
+      ref.dh[r * 2 * I + I + c] = da * gate * sig;
+      ref.a[r * I + c] = a;
+      ref.dp[r * dp_cols + c / block_n] += zc * a;
+    }
+  }
+  return ref;
+}
 
 }  // namespace megamoe_test

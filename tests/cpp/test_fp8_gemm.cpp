@@ -28,8 +28,6 @@ using megamoe_test::HostGroups;
 
 constexpr double kFp8GemmBound = 1e-3;
 
-double sigmoid(double g) { return 1.0 / (1.0 + std::exp(-g)); }
-
 uint8_t e4m3_bits(double v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(static_cast<float>(v), __NV_SATFINITE, __NV_E4M3));
 }
@@ -224,13 +222,7 @@ TEST_P(Fp8SwiGLUGpu, MatchesDequantizedProduct) {
   megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu(args, h, stream_);
   CUDA_OK(cudaGetLastError());
   const std::vector<double> ref_h = megamoe_test::grouped_product(g, x.rows, w.values, H, 2 * I, false);
-  std::vector<double> ref_out(g.rows * I);
-  for (int64_t r = 0; r < g.rows; ++r) {
-    for (int64_t c = 0; c < I; ++c) {
-      const double gate = ref_h[r * 2 * I + c], up = ref_h[r * 2 * I + I + c];
-      ref_out[r * I + c] = gate * sigmoid(gate) * up;
-    }
-  }
+  const std::vector<double> ref_out = megamoe_test::swiglu_reference(ref_h, g.rows, I);
   const std::vector<uint16_t> out = download_bf16(args.c.data, args.c.rows * I);
   EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(out, g, p.c, I), ref_out, "silu(g) u"),
             kFp8GemmBound);
@@ -256,14 +248,7 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
   const Fp8B w_t = make_fp8_b(E, I, H, p.transposed_scales, rng);  // W_down^T [E, I, H]
   const std::vector<uint16_t> h = megamoe_test::random_bf16(g.rows * 2 * I, rng, 1.5);
   const std::vector<double> hv = megamoe_test::bf16_values(h);
-  const int64_t slots = 2 * g.rows;
-  std::vector<float> weights(slots);
-  std::uniform_real_distribution<float> uniform(0.05f, 1.f);
-  for (auto& v : weights) v = uniform(rng);
-  std::vector<int32_t> row_slot(slots);
-  for (int64_t s = 0; s < slots; ++s) row_slot[s] = static_cast<int32_t>(s);
-  std::shuffle(row_slot.begin(), row_slot.end(), rng);
-  row_slot.resize(g.rows);
+  const megamoe_test::SwiGLUSlots slots = megamoe_test::random_swiglu_slots(g.rows, rng);
 
   const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
   const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I);
@@ -271,26 +256,17 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
   CUDA_OK(cudaMemset(dp, 0xFF, g.rows * dp_cols * sizeof(float)));
   megamoe::sm90::SwiGLUGradArgs grads;
   grads.h = reinterpret_cast<const __nv_bfloat16*>(upload(h));
-  grads.slot_weights = upload(weights);
-  grads.row_slot = upload(row_slot);
+  grads.slot_weights = upload(slots.weights);
+  grads.row_slot = upload(slots.row_slot);
   grads.dp_partial = dp;
   grads.a_out = poisoned_bf16(args.c.rows * I);
   megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, stream_);
   CUDA_OK(cudaGetLastError());
 
   const std::vector<double> z = megamoe_test::grouped_product(g, dy.rows, w_t.values, H, I, false);
-  std::vector<double> ref_dh(g.rows * 2 * I), ref_a(g.rows * I), ref_dp(g.rows * dp_cols, 0.0);
-  for (int64_t r = 0; r < g.rows; ++r) {
-    const double weight = weights[row_slot[r]];
-    for (int64_t c = 0; c < I; ++c) {
-      const double gate = hv[r * 2 * I + c], up = hv[r * 2 * I + I + c], zc = z[r * I + c];
-      const double sig = sigmoid(gate), da = weight * zc;
-      ref_dh[r * 2 * I + c] = da * up * sig * (1.0 + gate * (1.0 - sig));
-      ref_dh[r * 2 * I + I + c] = da * gate * sig;
-      ref_a[r * I + c] = gate * sig * up;
-      ref_dp[r * dp_cols + c / 128] += zc * ref_a[r * I + c];
-    }
-  }
+  const megamoe_test::SwiGLUBackwardReference ref =
+      megamoe_test::swiglu_backward_reference(z, hv, slots, g.rows, I, 128);
+  const std::vector<double>&ref_dh = ref.dh, &ref_a = ref.a, &ref_dp = ref.dp;
   const std::vector<uint16_t> dh = download_bf16(args.c.data, args.c.rows * 2 * I);
   EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I), ref_dh, "dh"),
             kFp8GemmBound);

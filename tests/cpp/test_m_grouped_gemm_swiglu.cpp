@@ -16,8 +16,6 @@ using megamoe::sm90::RowLayout;
 using megamoe_test::ALayout;
 using megamoe_test::HostGroups;
 
-double sigmoid(double g) { return 1.0 / (1.0 + std::exp(-g)); }
-
 struct SwiGLUCase {
   int64_t intermediate;  // 128: 256-wide tiles (128 gate + 128 up); 192: 128-wide ones
   ALayout a;
@@ -73,13 +71,7 @@ TEST_P(SwiGLUGpu, MatchesCpu) {
   // h = [gate | up] is the product with all 2I rows of the expert's w_gate_up.
   const std::vector<double> ref_h =
       megamoe_test::grouped_product(g, x.rows, megamoe_test::bf16_values(w), H, 2 * I, false);
-  std::vector<double> ref_out(g.rows * I);
-  for (int64_t r = 0; r < g.rows; ++r) {
-    for (int64_t c = 0; c < I; ++c) {
-      const double gate = ref_h[r * 2 * I + c], up = ref_h[r * 2 * I + I + c];
-      ref_out[r * I + c] = gate * sigmoid(gate) * up;
-    }
-  }
+  const std::vector<double> ref_out = megamoe_test::swiglu_reference(ref_h, g.rows, I);
   const std::vector<uint16_t> out = download_bf16(args.c.data, c_rows * I);
   EXPECT_LT(megamoe_test::relative_error(megamoe_test::sorted_rows_of(out, g, p.c, I), ref_out),
             megamoe_test::kBf16Bound);
@@ -147,15 +139,7 @@ TEST_P(SwiGLUBackwardGpu, MatchesCpu) {
   const std::vector<uint16_t> w = megamoe_test::random_bf16(E * H * I, rng, 1.0 / std::sqrt(H));
   const std::vector<uint16_t> h = megamoe_test::random_bf16(g.rows * 2 * I, rng, 1.5);
   const std::vector<double> hv = megamoe_test::bf16_values(h);
-  // Router weights of 2 * rows slots; each row has its own slot.
-  const int64_t slots = 2 * g.rows;
-  std::vector<float> weights(slots);
-  std::uniform_real_distribution<float> uniform(0.05f, 1.f);
-  for (auto& x : weights) x = uniform(rng);
-  std::vector<int32_t> row_slot(slots);
-  for (int64_t s = 0; s < slots; ++s) row_slot[s] = static_cast<int32_t>(s);
-  std::shuffle(row_slot.begin(), row_slot.end(), rng);
-  row_slot.resize(g.rows);
+  const megamoe_test::SwiGLUSlots slots = megamoe_test::random_swiglu_slots(g.rows, rng);
 
   const megamoe::sm90::MGroupedGemmArgs args = gemm_args(g, dy, w, H, I, 2 * I, p.c);  // C = dh
   const int64_t c_rows = args.c.rows;
@@ -165,8 +149,8 @@ TEST_P(SwiGLUBackwardGpu, MatchesCpu) {
   CUDA_OK(cudaMemset(dp, 0xFF, g.rows * dp_cols * sizeof(float)));
   megamoe::sm90::SwiGLUGradArgs grads;
   grads.h = reinterpret_cast<const __nv_bfloat16*>(upload(h));
-  grads.slot_weights = upload(weights);
-  grads.row_slot = upload(row_slot);
+  grads.slot_weights = upload(slots.weights);
+  grads.row_slot = upload(slots.row_slot);
   grads.dp_partial = dp;
   grads.a_out = p.a_out ? poisoned_bf16(c_rows * I) : nullptr;
   megamoe::sm90::m_grouped_gemm_nn_swiglu_backward(args, grads, stream_);
@@ -175,18 +159,9 @@ TEST_P(SwiGLUBackwardGpu, MatchesCpu) {
   // z = dy . w_down_e, then the SwiGLU backward of each element.
   const std::vector<double> z =
       megamoe_test::grouped_product(g, dy.rows, megamoe_test::bf16_values(w), H, I, true);
-  std::vector<double> ref_dh(g.rows * 2 * I), ref_a(g.rows * I), ref_dp(g.rows * dp_cols, 0.0);
-  for (int64_t r = 0; r < g.rows; ++r) {
-    const double weight = weights[row_slot[r]];
-    for (int64_t c = 0; c < I; ++c) {
-      const double gate = hv[r * 2 * I + c], up = hv[r * 2 * I + I + c], zc = z[r * I + c];
-      const double sig = sigmoid(gate), a = gate * sig * up, da = weight * zc;
-      ref_dh[r * 2 * I + c] = da * up * sig * (1.0 + gate * (1.0 - sig));
-      ref_dh[r * 2 * I + I + c] = da * gate * sig;
-      ref_a[r * I + c] = a;
-      ref_dp[r * dp_cols + c / block_n] += zc * a;
-    }
-  }
+  const megamoe_test::SwiGLUBackwardReference ref =
+      megamoe_test::swiglu_backward_reference(z, hv, slots, g.rows, I, block_n);
+  const std::vector<double>&ref_dh = ref.dh, &ref_a = ref.a, &ref_dp = ref.dp;
   const std::vector<uint16_t> dh = download_bf16(args.c.data, c_rows * 2 * I);
   EXPECT_LT(megamoe_test::relative_error(megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I), ref_dh),
             megamoe_test::kBf16Bound)
