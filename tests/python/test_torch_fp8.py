@@ -122,12 +122,12 @@ def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=Non
     return out.to(out_dtype)
 
 
-def _check_against_float64(p, **kwargs):
+def _check_against_float64(p, fn=megamoe.moe, **kwargs):
     """y and every gradient against the float64 reference: relative Frobenius errors (with
     fewer than FEW_SLOTS slots, d topk_weights' per-slot error by term scale instead, as
     moe_testing explains), each under its tolerance. Returns (errors, grads)."""
     args = [p[n] for n in ARGS]
-    y, grads = run_with_grads(megamoe.moe, p, **kwargs)
+    y, grads = run_with_grads(fn, p, **kwargs)
     errors = {"y": rel_err(y, reference.forward(*args))}
     refs = reference.backward(p["dy"], *args)
     errors.update({name: rel_err(grads[name], ref) for name, ref in zip(NAMES, refs)})
@@ -277,14 +277,22 @@ def test_gpu_compiled_casts_equal_eager_ones():
 @needs_cuda
 @pytest.mark.gpu
 def test_gpu_compiles_fullgraph():
+    """The compiled layer is as accurate as the eager one. It is not the same bits: Inductor
+    keeps fused elementwise chains (SwiGLU, the casts' products) in fp32 where eager rounds
+    to bf16 between ops, and each such difference that crosses an e4m3 rounding boundary
+    moves a value by one e4m3 step (~6%); the GPU measured compiled and eager 1.8-2.8%
+    apart (commit 8488232)."""
     p = make_problem(64, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=21,
                      invalid_fraction=0.1)
-    eager_y, eager_grads = run_with_grads(megamoe.moe, p, backend="torch", precision="fp8")
     compiled = torch.compile(megamoe.moe, fullgraph=True)
+    _check_against_float64(p, backend="torch", precision="fp8")
+    _check_against_float64(p, fn=compiled, backend="torch", precision="fp8")
+    eager_y, eager_grads = run_with_grads(megamoe.moe, p, backend="torch", precision="fp8")
     y, grads = run_with_grads(compiled, p, backend="torch", precision="fp8")
-    assert rel_err(y, eager_y) < 1e-2
+    # Rounding flips, not a different computation: well inside one e4m3 step.
+    assert rel_err(y, eager_y) < 5e-2
     for name in NAMES:
-        assert rel_err(grads[name], eager_grads[name]) < 1e-2, name
+        assert rel_err(grads[name], eager_grads[name]) < 5e-2, name
 
 
 @needs_cuda
