@@ -1,6 +1,7 @@
 #include "chain/expert_chain.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/common/gather_padded.h"
 #include "kernels/common/quantize_fp8.h"
@@ -13,11 +14,12 @@ namespace {
 using sm90::RowLayout;
 
 // An M-grouped GEMM over the rows: A with k columns, the experts' weights b, and
-// C = c [rows, n] in row order.
-sm90::MGroupedGemmArgs over_rows(const Rows& r, const sm90::MGroupedA& a,
-                                 const __nv_bfloat16* b, int64_t k, int64_t n,
-                                 __nv_bfloat16* c) {
-  sm90::MGroupedGemmArgs g;
+// C = c [rows, n] in row order; bf16 (MGroupedA, weights) or FP8 (MGroupedFp8A, Fp8Weights).
+template <class A, class B>
+auto over_rows(const Rows& r, const A& a, const B& b, int64_t k, int64_t n, __nv_bfloat16* c) {
+  std::conditional_t<std::is_same_v<A, sm90::MGroupedFp8A>, sm90::MGroupedFp8GemmArgs,
+                     sm90::MGroupedGemmArgs>
+      g;
   g.groups = {r.num_experts, r.plan.expert_offsets, r.plan.tile_offsets, r.rows};
   g.a = a;
   g.b = b;
@@ -91,19 +93,6 @@ sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t N, int64_t K, bool transposed)
   return {w.q_t, w.scales, nb * kb, 1, kb};
 }
 
-sm90::MGroupedFp8GemmArgs fp8_over_rows(const Rows& r, const sm90::MGroupedFp8A& a,
-                                        const sm90::Fp8Weights& b, int64_t k, int64_t n,
-                                        __nv_bfloat16* c) {
-  sm90::MGroupedFp8GemmArgs g;
-  g.groups = {r.num_experts, r.plan.expert_offsets, r.plan.tile_offsets, r.rows};
-  g.a = a;
-  g.b = b;
-  g.k = k;
-  g.n = n;
-  g.c = {c, n, r.rows, RowLayout::kSorted};
-  return g;
-}
-
 // A token matrix's FP8 copy gathered by the GEMM's producer.
 sm90::MGroupedFp8A gathered_fp8(const Rows& r, const Fp8Rows& tokens) {
   return {tokens.q, r.tokens, RowLayout::kSorted, r.plan.row_token, tokens.scales,
@@ -130,7 +119,7 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
   if (w.fp8_forward()) {
     quantize_rows(rows.x, rows.tokens, H, b.x_fp8, stream);
     sm90::m_grouped_fp8_gemm_nt_swiglu(
-        fp8_over_rows(rows, gathered_fp8(rows, b.x_fp8), as_b(w.fp8_gate_up, 2 * I, H, false),
+        over_rows(rows, gathered_fp8(rows, b.x_fp8), as_b(w.fp8_gate_up, 2 * I, H, false),
                       H, I, b.activation),
         saved_h, stream);
     quantize_rows(b.activation, rows.rows, I, b.activation_fp8, stream);
@@ -138,7 +127,7 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
                                         nullptr, b.activation_fp8.scales,
                                         b.activation_fp8.scale_ld};
     sm90::m_grouped_fp8_gemm_nt(
-        fp8_over_rows(rows, activation, as_b(w.fp8_down, H, I, false), I, H, b.out), stream);
+        over_rows(rows, activation, as_b(w.fp8_down, H, I, false), I, H, b.out), stream);
     return;
   }
   sm90::m_grouped_gemm_nt_swiglu(
@@ -177,7 +166,7 @@ void backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16*
                         const BackwardBuffers& b, bool dx_rows, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
   quantize_rows(rows.dy, rows.tokens, H, b.dy_fp8, stream);
-  sm90::MGroupedFp8GemmArgs l2 = fp8_over_rows(rows, gathered_fp8(rows, b.dy_fp8),
+  sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, gathered_fp8(rows, b.dy_fp8),
                                                as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
   sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
@@ -186,7 +175,7 @@ void backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16*
   quantize_rows(b.dh, b.padded_rows, 2 * I, b.dh_fp8, stream);
   const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,
                               b.dh_fp8.scales, b.dh_fp8.scale_ld};
-  sm90::MGroupedFp8GemmArgs l1 = fp8_over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),
+  sm90::MGroupedFp8GemmArgs l1 = over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),
                                                2 * I, H, b.token_rows);
   l1.groups.rows = b.padded_rows;
   sm90::m_grouped_fp8_gemm_nt(l1, stream);
@@ -201,7 +190,7 @@ void backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16* sav
   const __nv_bfloat16* h = saved_h;
   if (h == nullptr && w.fp8_forward()) {  // the forward's FP8 GEMM, bit for bit
     quantize_rows(rows.x, rows.tokens, H, b.x_fp8, stream);
-    sm90::m_grouped_fp8_gemm_nt(fp8_over_rows(rows, gathered_fp8(rows, b.x_fp8),
+    sm90::m_grouped_fp8_gemm_nt(over_rows(rows, gathered_fp8(rows, b.x_fp8),
                                               as_b(w.fp8_gate_up, 2 * I, H, false), H, 2 * I, b.h),
                                 stream);
     h = b.h;

@@ -47,10 +47,6 @@ chain::Fp8Weight fp8_weight(const std::string& name, const megamoe_tensor* q,
   return w;
 }
 
-void require(const void* p, const char* name) {
-  if (p == nullptr) throw_invalid(std::string(name) + ": expected a tensor, got NULL");
-}
-
 }  // namespace
 
 extern "C" {
@@ -75,8 +71,8 @@ MEGAMOE_API megamoe_status megamoe_fused_fp8_forward(
     megamoe_tensor* saved_h, void* workspace, size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_fused_fp8_forward", [&] {
     const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
-    require(w_gate_up_q, "w_gate_up_q");
-    require(w_down_q, "w_down_q");
+    require_tensor(w_gate_up_q, "w_gate_up_q");
+    require_tensor(w_down_q, "w_down_q");
     fused::Fp8Experts fp8;
     fp8.precision = chain::Precision::kFp8;
     fp8.gate_up = fp8_weight("w_gate_up", w_gate_up_q, nullptr, w_gate_up_scales, s.E, 2 * s.I,
@@ -112,11 +108,11 @@ MEGAMOE_API megamoe_status megamoe_fused_fp8_backward(
     megamoe_tensor* d_w_down, void* workspace, size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_fused_fp8_backward", [&] {
     const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
-    require(w_gate_up_q_t, "w_gate_up_q_t");
-    require(w_down_q_t, "w_down_q_t");
+    require_tensor(w_gate_up_q_t, "w_gate_up_q_t");
+    require_tensor(w_down_q_t, "w_down_q_t");
     // An FP8 recompute of L1 reads w_gate_up's values as the forward did.
     const bool recompute_fp8 = forward_fp8 != 0 && saved_h == nullptr;
-    if (recompute_fp8) require(w_gate_up_q, "w_gate_up_q");
+    if (recompute_fp8) require_tensor(w_gate_up_q, "w_gate_up_q");
     fused::Fp8Experts fp8;
     fp8.precision = forward_fp8 != 0 ? chain::Precision::kFp8 : chain::Precision::kFp8Backward;
     fp8.gate_up = fp8_weight("w_gate_up", recompute_fp8 ? w_gate_up_q : nullptr, w_gate_up_q_t,

@@ -101,6 +101,24 @@ inline std::string name_of(megamoe::sm90::RowLayout c) {
   return c == megamoe::sm90::RowLayout::kPadded ? "padded" : "sorted";
 }
 
+// The SwiGLU backward's per-row inputs besides the GEMM's: router weights of 2 * rows slots
+// and a distinct slot for each row.
+struct SwiGLUSlots {
+  std::vector<float> weights;
+  std::vector<int32_t> row_slot;
+};
+inline SwiGLUSlots random_swiglu_slots(int64_t rows, std::mt19937_64& rng) {
+  SwiGLUSlots s;
+  s.weights.resize(2 * rows);
+  std::uniform_real_distribution<float> uniform(0.05f, 1.f);
+  for (auto& x : s.weights) x = uniform(rng);
+  s.row_slot.resize(2 * rows);
+  for (int64_t i = 0; i < 2 * rows; ++i) s.row_slot[i] = static_cast<int32_t>(i);
+  std::shuffle(s.row_slot.begin(), s.row_slot.end(), rng);
+  s.row_slot.resize(rows);
+  return s;
+}
+
 // A's logical rows (one per sorted row) and the device buffer the GEMM reads them from.
 struct GroupedA {
   std::vector<double> rows;  // [sorted rows, k]
@@ -164,6 +182,12 @@ class MGroupedGemmTest : public GpuTest {
     args.c = {poisoned_bf16(c_rows * c_cols), c_cols, c_rows, c_layout};
     return args;
   }
+
+  // The SwiGLU backward's operands besides the GEMM's: h and the slots uploaded, dp
+  // partials [rows, dp_cols] poisoned with NaN, a_out as given.
+  megamoe::sm90::SwiGLUGradArgs swiglu_grads(const std::vector<uint16_t>& h,
+                                             const SwiGLUSlots& slots, int64_t rows,
+                                             int64_t dp_cols, __nv_bfloat16* a_out);
 
   // A bf16 output of `count` elements poisoned with NaN.
   __nv_bfloat16* poisoned_bf16(int64_t count) {
@@ -230,22 +254,18 @@ inline std::vector<double> swiglu_reference(const std::vector<double>& h, int64_
   return out;
 }
 
-// The SwiGLU backward's per-row inputs besides the GEMM's: router weights of 2 * rows slots
-// and a distinct slot for each row.
-struct SwiGLUSlots {
-  std::vector<float> weights;
-  std::vector<int32_t> row_slot;
-};
-inline SwiGLUSlots random_swiglu_slots(int64_t rows, std::mt19937_64& rng) {
-  SwiGLUSlots s;
-  s.weights.resize(2 * rows);
-  std::uniform_real_distribution<float> uniform(0.05f, 1.f);
-  for (auto& x : s.weights) x = uniform(rng);
-  s.row_slot.resize(2 * rows);
-  for (int64_t i = 0; i < 2 * rows; ++i) s.row_slot[i] = static_cast<int32_t>(i);
-  std::shuffle(s.row_slot.begin(), s.row_slot.end(), rng);
-  s.row_slot.resize(rows);
-  return s;
+inline megamoe::sm90::SwiGLUGradArgs MGroupedGemmTest::swiglu_grads(
+    const std::vector<uint16_t>& h, const SwiGLUSlots& slots, int64_t rows, int64_t dp_cols,
+    __nv_bfloat16* a_out) {
+  float* dp = alloc<float>(rows * dp_cols);
+  EXPECT_EQ(cudaMemset(dp, 0xFF, rows * dp_cols * sizeof(float)), cudaSuccess);
+  megamoe::sm90::SwiGLUGradArgs grads;
+  grads.h = reinterpret_cast<const __nv_bfloat16*>(upload(h));
+  grads.slot_weights = upload(slots.weights);
+  grads.row_slot = upload(slots.row_slot);
+  grads.dp_partial = dp;
+  grads.a_out = a_out;
+  return grads;
 }
 
 // The SwiGLU backward in double from z = the dgrad's product and h = [g | u]: dh, a and

@@ -252,14 +252,9 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
 
   const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
   const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I);
-  float* dp = alloc<float>(g.rows * dp_cols);
-  CUDA_OK(cudaMemset(dp, 0xFF, g.rows * dp_cols * sizeof(float)));
-  megamoe::sm90::SwiGLUGradArgs grads;
-  grads.h = reinterpret_cast<const __nv_bfloat16*>(upload(h));
-  grads.slot_weights = upload(slots.weights);
-  grads.row_slot = upload(slots.row_slot);
-  grads.dp_partial = dp;
-  grads.a_out = poisoned_bf16(args.c.rows * I);
+  const megamoe::sm90::SwiGLUGradArgs grads =
+      swiglu_grads(h, slots, g.rows, dp_cols, poisoned_bf16(args.c.rows * I));
+  float* dp = grads.dp_partial;
   megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, stream_);
   CUDA_OK(cudaGetLastError());
 

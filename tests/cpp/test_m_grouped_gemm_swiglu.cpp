@@ -145,14 +145,9 @@ TEST_P(SwiGLUBackwardGpu, MatchesCpu) {
   const int64_t c_rows = args.c.rows;
   const int64_t dp_cols = megamoe::sm90::swiglu_backward_dp_columns(I);
   ASSERT_EQ(dp_cols, I / block_n);
-  float* dp = alloc<float>(g.rows * dp_cols);
-  CUDA_OK(cudaMemset(dp, 0xFF, g.rows * dp_cols * sizeof(float)));
-  megamoe::sm90::SwiGLUGradArgs grads;
-  grads.h = reinterpret_cast<const __nv_bfloat16*>(upload(h));
-  grads.slot_weights = upload(slots.weights);
-  grads.row_slot = upload(slots.row_slot);
-  grads.dp_partial = dp;
-  grads.a_out = p.a_out ? poisoned_bf16(c_rows * I) : nullptr;
+  const megamoe::sm90::SwiGLUGradArgs grads =
+      swiglu_grads(h, slots, g.rows, dp_cols, p.a_out ? poisoned_bf16(c_rows * I) : nullptr);
+  float* dp = grads.dp_partial;
   megamoe::sm90::m_grouped_gemm_nn_swiglu_backward(args, grads, stream_);
   CUDA_OK(cudaGetLastError());
 

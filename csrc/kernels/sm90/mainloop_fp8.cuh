@@ -104,7 +104,7 @@ struct MainloopFp8 {
       float sb0 = 1.f, sb1 = 1.f;
       if constexpr (!kBRowScales) {
         sb0 = __ldg(b_first + kb * s_k_);
-        sb1 = __ldg(b_second + kb * s_k_);
+        sb1 = kBColumns == BColumns::kGateUpHalves ? __ldg(b_second + kb * s_k_) : sb0;
       }
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       if constexpr (kGenericProxyA) fence_proxy_async_shared();
