@@ -6,7 +6,10 @@ forward + backward, so that the trainer's attention can run on the fastest one.
 
 Prints one line per backend: median ms of forward and of forward + backward, the TFLOP/s of
 the latter (causal attention: 2 * 2 * T^2 * heads * head_dim / 2 forward, 2.5x that
-backward), and whether the backend gives the same output as the flash backend.
+backward), and whether the backend gives the same output as the flash backend. With
+--repeat-check, each backend's forward and backward also run three times on the same inputs,
+with and without torch.use_deterministic_algorithms(True), and the line says whether the
+output and the gradients (dq, dk, dv) repeat bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +36,26 @@ def _time(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _repeats(forward, inputs, dout, deterministic: bool) -> str:
+    """Whether three forward + backward runs give bitwise-equal outputs and gradients."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        runs = []
+        for _ in range(3):
+            out = forward()
+            grads = torch.autograd.grad(out, inputs, dout)
+            runs.append((out.detach(), *grads))
+    except RuntimeError as error:
+        return f"deterministic={deterministic}: failed: {str(error).splitlines()[0][:100]}"
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    names = ("out", "dq", "dk", "dv")
+    same = [all(torch.equal(r[i], runs[0][i]) for r in runs[1:]) for i in range(4)]
+    return f"deterministic={deterministic}: repeats bitwise: " + ", ".join(
+        f"{n} {'yes' if s else 'NO'}" for n, s in zip(names, same))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -41,6 +64,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat-check", action="store_true")
     args = parser.parse_args()
     T, Hq, Hkv, D = args.tokens, args.heads, args.kv_heads, args.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -74,6 +98,9 @@ def main() -> int:
         diff = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
         print(f"{backend.name:22s} fwd {fwd:7.2f} ms  fwd+bwd {both:7.2f} ms  "
               f"{3.5 * fwd_flops / both / 1e9:6.0f} TFLOP/s  rel. diff to first {diff:.1e}")
+        if args.repeat_check:
+            for deterministic in (False, True):
+                print(f"{'':22s} {_repeats(forward, (q, k, v), dout, deterministic)}")
     return 0
 
 

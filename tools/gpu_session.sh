@@ -22,6 +22,14 @@
 #   train:B[,B..]  megamoe-train-bench rows of backends B (mega_moe, torch, hf) for the record
 #                  named by $TRAIN_NAME (TRAIN_ARGS: extra arguments, e.g. "--steps 20")
 #   det            a second 50-step mega_moe run beside the saved first one (determinism)
+#   detmode        two 50-step mega_moe runs with train.deterministic = true (record
+#                  $TRAIN_NAME-deterministic)
+#   fp8check       SASS of the library (HGMMA, QGMMA, no local memory) and compute-sanitizer
+#                  (memcheck, racecheck, synccheck) on small FP8 GEMM and layer tests
+#   skew           the fused layer's training-scale skewed-routing tests
+#   checktrain     megamoe-train-bench's config with every experts call checked against the
+#                  torch backend (tools/check_training_layers.py; CHECK_STEPS, default 70)
+#   ncu:P:MODEL    Nsight Compute (full set) of one fused forward of MODEL at precision P
 # Set MEGAMOE_BENCH_COMMIT to the commit being measured when the tree has no .git, and
 # STAGE_TIMEOUT (seconds, default 590) to bound each stage.
 set -uo pipefail
@@ -99,7 +107,22 @@ for stage in "$@"; do
           --backward-mode saved
       done ;;
     attn)
-      run attention.log python3 tools/attention_backends.py ;;
+      # shellcheck disable=SC2086
+      run attention.log python3 tools/attention_backends.py ${ATTN_ARGS:-} ;;
+    detmode)
+      run detmode.log python3 -m megamoe.train.bench bench-qwen3-30b-a3b --backends mega_moe \
+        --steps 50 --repeat 2 --no-parts --name "$train_name-deterministic" --out-dir "$work/train" \
+        --work-dir "$work/train-runs" --no-plot --train.deterministic true ;;
+    fp8check)
+      cuobjdump --dump-sass "$MEGAMOE_LIBRARY" >"$work/sass.txt"
+      echo "HGMMA $(grep -c HGMMA "$work/sass.txt"), QGMMA $(grep -c QGMMA "$work/sass.txt"), LDL/STL $(grep -cE '\b(LDL|STL)\b' "$work/sass.txt")" | tee "$work/sass-counts.txt" >&2
+      rm -f "$work/sass.txt"
+      for tool in memcheck racecheck synccheck; do
+        run "sanitizer-fp8-gemm-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          build/tests/cpp/megamoe_tests --gtest_filter="${FP8_SANITIZER_FILTER:-*Fp8*Gpu*Agathered_Cpadded*:*Fp8WeightGradGpu*}"
+        run "sanitizer-fp8-layer-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          python3 -m pytest -q -x tests/python/test_fused_fp8.py -k "${FP8_SANITIZER_K:-awkward and (extra0 or extra1)}"
+      done ;;
     smoke)
       run smoke.log python3 -m megamoe.train --train.steps 10 --log.dir "$work/smoke" ;;
     train:*)
@@ -112,6 +135,15 @@ for stage in "$@"; do
       run det.log python3 -m megamoe.train.bench bench-qwen3-30b-a3b --backends mega_moe \
         --steps 50 --repeat-start 2 --no-parts --name "$train_name" --out-dir "$work/train" \
         --work-dir "$work/train-runs" --no-plot ;;
+    skew)
+      run skew.log python3 -m pytest -q -s -rs tests/python/test_fused_backward.py -k training_scale ;;
+    checktrain)
+      run checktrain.log python3 tools/check_training_layers.py "$work/checktrain" \
+        --stop-after "${CHECK_STEPS:-70}" bench-qwen3-30b-a3b --log.dir "$work/checktrain-run" ;;
+    ncu:*)
+      spec=${stage#ncu:}; precision=${spec%%:*}; model=${spec#*:}
+      run "ncu-$precision-$model.log" ncu --clock-control none --profile-from-start off --set full -k regex:gemm \
+        python3 tools/profile_layer.py --ncu --precision "$precision" --model "$model" ;;
     *)
       echo "unknown stage $stage" >&2; status=1 ;;
   esac

@@ -3,6 +3,8 @@ or with --backward the forward and backward of a training step.
 
     python tools/profile_layer.py --backend fused --model qwen3-30b-a3b --tokens 16384
     python tools/profile_layer.py --backward --backward-mode saved
+    python tools/profile_layer.py --precision fp8 --model qwen3-235b-a22b
+    ncu --profile-from-start off --set full python tools/profile_layer.py --ncu ...  # one call
     torchrun --nproc-per-node 2 tools/profile_layer.py --ep 2 --backward   # rank 0's kernels
 """
 
@@ -26,6 +28,10 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--backward", action="store_true", help="profile forward + backward")
     parser.add_argument("--backward-mode", default="recompute", help="the fused backend's")
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--ncu", action="store_true",
+                        help="after the warm-up, one call between cudaProfilerStart and Stop "
+                             "(for ncu --profile-from-start off) instead of torch.profiler")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel ranks (run under torchrun --nproc-per-node EP)")
     parser.add_argument("--num-comm-sms", type=int, default=None,
@@ -51,7 +57,7 @@ def main():
     def forward():
         with torch.set_grad_enabled(args.backward):
             y = megamoe.moe(x, ids, weights, w_gate_up, w_down, backend=args.backend,
-                            check_ids=False, **extra)
+                            precision=args.precision, check_ids=False, **extra)
         if args.backward:
             y.backward(dy)
             for t in (x, weights, w_gate_up, w_down):
@@ -60,6 +66,12 @@ def main():
     for _ in range(3):
         forward()
     torch.cuda.synchronize()
+    if args.ncu:
+        torch.cuda.profiler.start()
+        forward()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
             forward()
@@ -67,7 +79,7 @@ def main():
     if rank != 0:
         return
     what = f"forward + backward ({args.backward_mode})" if args.backward else "forward"
-    print(f"{args.backend} {args.model} T={args.tokens} ep={args.ep} (rank 0): per-kernel time "
+    print(f"{args.backend} {args.precision} {args.model} T={args.tokens} ep={args.ep} (rank 0): per-kernel time "
           f"per {what} (us)")
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     total = 0.0
