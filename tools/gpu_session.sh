@@ -25,7 +25,8 @@
 #   detmode        two 50-step mega_moe runs with train.deterministic = true (record
 #                  $TRAIN_NAME-deterministic)
 #   fp8check       SASS of the library (HGMMA, QGMMA, no local memory) and compute-sanitizer
-#                  (memcheck, racecheck, synccheck) on small FP8 GEMM and layer tests
+#                  (memcheck, racecheck, synccheck; FP8_SANITIZER_TOOLS) on small FP8 GEMM and
+#                  layer tests
 #   skew           the fused layer's training-scale skewed-routing tests
 #   checktrain     megamoe-train-bench's config with every experts call checked against the
 #                  torch backend (tools/check_training_layers.py; CHECK_STEPS, default 70)
@@ -117,7 +118,7 @@ for stage in "$@"; do
       cuobjdump --dump-sass "$MEGAMOE_LIBRARY" >"$work/sass.txt"
       echo "HGMMA $(grep -c HGMMA "$work/sass.txt"), QGMMA $(grep -c QGMMA "$work/sass.txt"), LDL/STL $(grep -cE '\b(LDL|STL)\b' "$work/sass.txt")" | tee "$work/sass-counts.txt" >&2
       rm -f "$work/sass.txt"
-      for tool in memcheck racecheck synccheck; do
+      for tool in ${FP8_SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
         run "sanitizer-fp8-gemm-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 \
           build/tests/cpp/megamoe_tests --gtest_filter="${FP8_SANITIZER_FILTER:-*Fp8*Gpu*Agathered_Cpadded*:*Fp8WeightGradGpu*}"
         run "sanitizer-fp8-layer-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 \
