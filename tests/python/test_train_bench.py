@@ -9,8 +9,8 @@ from megamoe.train import bench
 from megamoe.train.trainer import main as train_main
 
 
-def _row(backend, losses, step_ms, repeat=1):
-    return {"backend": backend, "precision": "bf16", "repeat": repeat, "status": "ok",
+def _row(backend, losses, step_ms, repeat=1, precision="bf16"):
+    return {"backend": backend, "precision": precision, "repeat": repeat, "status": "ok",
             "steps_run": len(losses), "step_ms": step_ms, "tokens_per_s_per_gpu": 1e3 / step_ms,
             "mfu": None, "peak_memory_gib": None, "optimizer_ms": 1.0, "loss": losses,
             "step_time_s": [step_ms / 1e3] * len(losses), "parts": None,
@@ -50,11 +50,13 @@ def test_merge_compares_with_mega_moe(tmp_path):
     rows = {"mega_moe-bf16": _row("mega_moe", base, 100.0),
             "mega_moe-bf16-run2": _row("mega_moe", base[:50] + [9.0] * 250, 101.0, repeat=2),
             "torch-bf16": _row("torch", [v * 1.005 for v in base], 120.0),
-            "hf-bf16": _row("hf", base[:100], 130.0)}  # too short for the parity window
+            "hf-bf16": _row("hf", base[:100], 130.0),  # too short for the parity window
+            "mega_moe-fp8": _row("mega_moe", [v * 1.01 for v in base], 80.0, precision="fp8")}
     for key, row in rows.items():  # written as separate invocations would
         (rows_dir / f"{key}.json").write_text(json.dumps(row))
     record = bench.merge(rows_dir, "test", (200, 300), "megamoe-train-bench --merge")
-    assert [r["backend"] for r in record["rows"]] == ["mega_moe", "mega_moe", "torch", "hf"]
+    assert [r["backend"] for r in record["rows"]] == ["mega_moe", "mega_moe", "mega_moe",
+                                                      "torch", "hf"]
     assert record["gpu"] == "test-gpu" and record["commit"] == "abc"
     torch_cmp = record["comparison"]["torch-bf16"]
     assert torch_cmp["mega_moe_speedup"] == pytest.approx(1.2)
@@ -62,7 +64,11 @@ def test_merge_compares_with_mega_moe(tmp_path):
     assert "needs both runs to reach step 300" in record["comparison"]["hf-bf16"]["loss_parity"]
     repeat = record["comparison"]["mega_moe-bf16-run2"]
     assert repeat["bitwise_identical_steps"] == 50 and repeat["bitwise_identical"] is False
+    fp8 = record["comparison"]["mega_moe-fp8"]
+    assert fp8["speedup_vs_torch_bf16"] == pytest.approx(1.5)
+    assert fp8["loss_rel_diff_vs_mega_moe_bf16"] == pytest.approx(0.01)
     table = bench.format_table(record)
+    assert "mega_moe-fp8: 1.500x the torch bf16 step, loss +1.00% of mega_moe bf16's" in table
     assert "torch" in table and "+0.50" in table and "NOT identical" in table
     assert bench.plot(record, tmp_path / "test.png").stat().st_size > 0
 

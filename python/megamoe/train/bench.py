@@ -272,6 +272,19 @@ def compare(rows: list[dict], window: tuple[int, int]) -> dict:
             entry["bitwise_identical_steps"] = same
             entry["bitwise_identical"] = same == min(len(base["loss"]), len(row["loss"]))
         result[key] = entry
+    # A low-precision mega_moe row against the bf16 rows: loss against mega_moe's bf16 curve,
+    # speed against the torch backend in bf16 (the FP8 issue's training bars).
+    bf16 = {r["backend"]: r for r in rows if r["precision"] == "bf16" and r["repeat"] == 1}
+    for row in rows:
+        if row["backend"] != REFERENCE or row["precision"] == "bf16" or row["repeat"] != 1:
+            continue
+        entry = result.setdefault(_row_id(row["backend"], row["precision"], row["repeat"]), {})
+        if "torch" in bf16 and row["step_ms"] and bf16["torch"]["step_ms"]:
+            entry["speedup_vs_torch_bf16"] = bf16["torch"]["step_ms"] / row["step_ms"]
+        if REFERENCE in bf16:
+            mine, theirs = _window_mean(row, window), _window_mean(bf16[REFERENCE], window)
+            if mine is not None and theirs is not None:
+                entry["loss_rel_diff_vs_mega_moe_bf16"] = (mine - theirs) / theirs
     return result
 
 
@@ -328,6 +341,14 @@ def format_table(record: dict) -> str:
              f"steps {window[0]}-{window[1]}; parts in ms per step (attn/experts/router x layers, "
              "with the recompute's forward under activation checkpointing)"]
     for key, entry in record["comparison"].items():
+        if "speedup_vs_torch_bf16" in entry or "loss_rel_diff_vs_mega_moe_bf16" in entry:
+            parts = []
+            if "speedup_vs_torch_bf16" in entry:
+                parts.append(f"{entry['speedup_vs_torch_bf16']:.3f}x the torch bf16 step")
+            if "loss_rel_diff_vs_mega_moe_bf16" in entry:
+                parts.append(f"loss {100 * entry['loss_rel_diff_vs_mega_moe_bf16']:+.2f}% "
+                             "of mega_moe bf16's")
+            notes.append(f"{key}: " + ", ".join(parts))
         if "bitwise_identical" in entry:
             notes.append(f"{key}: {'bitwise identical' if entry['bitwise_identical'] else 'NOT identical'} "
                          f"losses to mega_moe run 1 over {entry['bitwise_identical_steps']} steps")
