@@ -39,7 +39,9 @@ def _time(fn, iters: int, warmup: int) -> float:
 def _repeats(forward, inputs, dout, deterministic: bool) -> str:
     """Whether three forward + backward runs give bitwise-equal outputs and gradients."""
     previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    # Not warn_only: PyTorch's flash and cuDNN backwards take their deterministic algorithm
+    # only when nondeterminism would be an error (with warn_only they warn and stay atomic).
+    torch.use_deterministic_algorithms(deterministic)
     try:
         runs = []
         for _ in range(3):

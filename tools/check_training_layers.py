@@ -135,7 +135,11 @@ def main() -> int:
 
     hf_moe.ALL_EXPERTS_FUNCTIONS.register("megamoe", checked)
     try:
-        trainer.main(rest)
+        # Without early stop, the recompute runs each layer to its end, so the checks after
+        # the experts call run there too (by default the recompute stops inside that call,
+        # once the layer's last saved tensor is back).
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            trainer.main(rest)
     except Stop:
         print(f"[check] stopped after step {args.stop_after}", flush=True)
     log.close()
