@@ -67,7 +67,15 @@ def test_merge_compares_with_mega_moe(tmp_path):
     fp8 = record["comparison"]["mega_moe-fp8"]
     assert fp8["speedup_vs_torch_bf16"] == pytest.approx(1.5)
     assert fp8["loss_rel_diff_vs_mega_moe_bf16"] == pytest.approx(0.01)
+    # Means over the runs that reach the window (mega_moe run 2 reaches it too).
+    parity = record["parity_over_runs"]
+    assert parity["mega_moe-bf16"]["runs"] == 2 and "hf-bf16" not in parity
+    mega_mean = parity["mega_moe-bf16"]["mean"]
+    assert parity["mega_moe-bf16"]["max"] == pytest.approx(9.0)
+    assert parity["torch-bf16"]["rel_diff_vs_mega_moe"] == pytest.approx(
+        parity["torch-bf16"]["mean"] / mega_mean - 1)
     table = bench.format_table(record)
+    assert "torch-bf16: mean loss" in table and "over 1 run(s)" in table
     assert "mega_moe-fp8: 1.500x the torch bf16 step, loss +1.00% of mega_moe bf16's" in table
     assert "torch" in table and "+0.50" in table and "NOT identical" in table
     assert bench.plot(record, tmp_path / "test.png").stat().st_size > 0

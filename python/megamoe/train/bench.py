@@ -11,7 +11,8 @@ MFU, peak memory, the loss curve, and the parts of the step (attention, experts,
 LM head + loss timed in isolation in the same process at the same shapes; the optimizer
 timed inside the steps). The record compares every backend with mega_moe: step-time ratio,
 loss parity (mean loss over a window of steps, default 200-300, when the runs reach it) and,
-with `--repeat 2`, whether two mega_moe runs gave bitwise-identical losses.
+with `--repeat 2`, whether two mega_moe runs gave bitwise-identical losses and, per backend,
+the mean loss over its runs and their range.
 
 Config overrides (--section.key VALUE) are passed to every run.
 """
@@ -48,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, help="train.steps of every run (e.g. 20 for timing "
                         "only; the config's value otherwise)")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="runs of mega_moe in this invocation (2: compare their losses "
-                             "bitwise)")
+                        help="runs of each backend and precision in this invocation (mega_moe's "
+                             "are compared bitwise; every group's runs give a mean loss and its "
+                             "spread, compared between backends)")
     parser.add_argument("--repeat-start", type=int, default=1,
                         help="number of the first of those runs (2: add a second run to a saved "
                              "first one, e.g. a 50-step run for the determinism check)")
@@ -105,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work_dir) if args.work_dir else Path("outputs/train-bench") / name
         failures = 0
         runs = [(b, p, k) for b in backends for p in precisions
-                for k in (range(args.repeat_start, args.repeat_start + args.repeat)
-                          if b == REFERENCE else [1])]
+                for k in range(args.repeat_start, args.repeat_start + args.repeat)]
         for index, (backend, precision, repeat) in enumerate(runs, 1):
             _progress(f"run {index}/{len(runs)}: {backend}, {precision}"
                       + (f", run {repeat}" if repeat > 1 else ""))
@@ -235,6 +236,7 @@ def merge(rows_dir: Path, name: str, window: tuple[int, int], command: str) -> d
     if len(mixed) > 1:
         record["warning"] = f"rows come from different GPUs or commits: {sorted(mixed)}"
     record["comparison"] = compare(done, window)
+    record["parity_over_runs"] = parity_over_runs(done, window)
     return record
 
 
@@ -285,6 +287,27 @@ def compare(rows: list[dict], window: tuple[int, int]) -> dict:
             mine, theirs = _window_mean(row, window), _window_mean(bf16[REFERENCE], window)
             if mine is not None and theirs is not None:
                 entry["loss_rel_diff_vs_mega_moe_bf16"] = (mine - theirs) / theirs
+    return result
+
+
+def parity_over_runs(rows: list[dict], window: tuple[int, int]) -> dict:
+    """Per backend and precision, the window's mean loss over every run that reached it
+    (runs of one config take different trajectories where a kernel is nondeterministic),
+    its spread, and the difference of the means against mega_moe's of the same precision."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for row in rows:
+        mean = _window_mean(row, window)
+        if mean is not None:
+            groups.setdefault((row["backend"], row["precision"]), []).append(mean)
+    result = {}
+    for (backend, precision), means in groups.items():
+        entry = {"runs": len(means), "mean": sum(means) / len(means), "min": min(means),
+                 "max": max(means)}
+        base = groups.get((REFERENCE, precision))
+        if base and backend != REFERENCE:
+            base_mean = sum(base) / len(base)
+            entry["rel_diff_vs_mega_moe"] = (entry["mean"] - base_mean) / base_mean
+        result[f"{backend}-{precision}"] = entry
     return result
 
 
@@ -352,6 +375,12 @@ def format_table(record: dict) -> str:
         if "bitwise_identical" in entry:
             notes.append(f"{key}: {'bitwise identical' if entry['bitwise_identical'] else 'NOT identical'} "
                          f"losses to mega_moe run 1 over {entry['bitwise_identical_steps']} steps")
+    for key, entry in record.get("parity_over_runs", {}).items():
+        if entry["runs"] > 1 or any(e["runs"] > 1 for e in record["parity_over_runs"].values()):
+            versus = (f", {100 * entry['rel_diff_vs_mega_moe']:+.2f}% of mega_moe's mean"
+                      if "rel_diff_vs_mega_moe" in entry else "")
+            notes.append(f"{key}: mean loss {entry['mean']:.4f} over {entry['runs']} run(s) "
+                         f"(range {entry['min']:.4f}-{entry['max']:.4f}){versus}")
     return "\n".join(lines + notes)
 
 
