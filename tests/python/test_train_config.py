@@ -52,6 +52,8 @@ def load(extra: str = "", overrides=(), base: str = BASE):
      r"train\.loss_implementation: expected one of \['auto', 'compiled', 'eager'\]"),
     ("[checkpoint]\nresume = '/no/such/checkpoint'\n", r"checkpoint\.resume: .*no such directory"),
     ("[parallel]\ndp = 0\n", r"parallel\.dp: must be >= 1, or -1"),
+    ("[train]\nsteps = 10\n[log]\nprofile_step = 11\n",
+     r"log\.profile_step: step 11 is past the run's last step \(train\.steps = 10\)"),
 ])
 def test_bad_values_name_the_key(text, message):
     with pytest.raises(ConfigError, match=message):

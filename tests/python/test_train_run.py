@@ -21,7 +21,7 @@ def _steps(log_dir):
 def test_tiny_default_trains(tmp_path):
     log_dir = tmp_path / "log"
     assert main(["default-cpu", "--train.steps", "12", "--log.dir", str(log_dir),
-                 "--log.interval", "4"]) == 0
+                 "--log.interval", "4", "--log.profile_step", "3"]) == 0
     record = json.loads((log_dir / "run.json").read_text())
     steps, summary = record["steps"], record["summary"]
     losses = [r["loss"] for r in steps]
@@ -35,6 +35,9 @@ def test_tiny_default_trains(tmp_path):
     assert all(r["grad_norm"] > 0 and r["lr"] > 0 for r in steps)
     assert (log_dir / "curves.png").stat().st_size > 0
     assert len((log_dir / "steps.jsonl").read_text().splitlines()) == 12
+    # One step's per-operator table (torch.profiler), only of the step asked for.
+    assert [p.name for p in log_dir.glob("profile-step*.txt")] == ["profile-step3.txt"]
+    assert "Self CPU" in (log_dir / "profile-step3.txt").read_text()
 
 
 def test_resume_continues_the_same_curve(tmp_path):

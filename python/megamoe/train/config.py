@@ -200,6 +200,9 @@ class LogConfig:
     plot: bool = option(True, "write loss and throughput curves as a PNG (needs matplotlib)")
     peak_tflops: float = option(0.0, "the GPU's dense bf16 peak for MFU; 0 = the datasheet "
                                 "value of a known GPU (989 for H100/H200 SXM)", minimum=0.0)
+    profile_step: int = option(0, "profile this step with torch.profiler and write its "
+                               "per-kernel table to profile-step<N>.txt in log.dir; 0 = off",
+                               minimum=0)
 
 
 @dataclass
@@ -417,6 +420,9 @@ def check_static(config: Config) -> None:
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {config.optim.betas}")
     if config.optim.min_lr_ratio > 1.0:
         raise ConfigError(f"optim.min_lr_ratio: must be <= 1, got {config.optim.min_lr_ratio}")
+    if config.log.profile_step > config.train.steps:
+        raise ConfigError(f"log.profile_step: step {config.log.profile_step} is past the run's "
+                          f"last step (train.steps = {config.train.steps})")
     if config.parallel.dp == 0:
         raise ConfigError("parallel.dp: must be >= 1, or -1 to derive it from the world size")
     _check_data(config.data)

@@ -367,6 +367,9 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
     jsonl = (log_dir / "steps.jsonl").open("a") if info.is_main else None
     try:
         for step in range(setup.start_step + 1, config.train.steps + 1):
+            profiler = _step_profiler(cuda) if step == config.log.profile_step else None
+            if profiler is not None:
+                profiler.__enter__()
             t0 = time.perf_counter()
             ce_sum = torch.zeros((), device=device)
             aux_sum = torch.zeros((), device=device)
@@ -387,6 +390,12 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             # The step's one host sync (the grad norm is already the same on every rank).
             ce_total, aux_total, norm = torch.cat([sums, grad_norm.reshape(1).to(sums)]).tolist()
             step_time = time.perf_counter() - t0
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                if info.is_main:
+                    path = _write_profile(profiler, log_dir, step, cuda)
+                    say(f"step {step}: wrote the per-kernel profile {path} (this step's "
+                        "time includes the profiler's overhead)")
             record = {
                 "step": step,
                 "loss": ce_total / (tokens_per_rank * info.world_size),
@@ -420,6 +429,22 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             jsonl.close()
     summary = _finish(config, state, setup, summary_base, steps_log, parts, started)
     return summary
+
+
+def _step_profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    return profile(activities=activities)
+
+
+def _write_profile(profiler, log_dir: Path, step: int, cuda: bool) -> Path:
+    """The step's operators and kernels by total time (device time on a GPU)."""
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    table = profiler.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=100)
+    path = log_dir / f"profile-step{step}.txt"
+    path.write_text(f"# megamoe-train, step {step}: torch.profiler, sorted by {key}\n{table}\n")
+    return path
 
 
 def _finite(value: float) -> bool:
