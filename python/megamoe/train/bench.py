@@ -375,8 +375,10 @@ def format_table(record: dict) -> str:
         if "bitwise_identical" in entry:
             notes.append(f"{key}: {'bitwise identical' if entry['bitwise_identical'] else 'NOT identical'} "
                          f"losses to mega_moe run 1 over {entry['bitwise_identical_steps']} steps")
-    for key, entry in record.get("parity_over_runs", {}).items():
-        if entry["runs"] > 1 or any(e["runs"] > 1 for e in record["parity_over_runs"].values()):
+    parity = record.get("parity_over_runs", {})
+    # With one run each, the table's loss columns already say it all.
+    if any(entry["runs"] > 1 for entry in parity.values()):
+        for key, entry in parity.items():
             versus = (f", {100 * entry['rel_diff_vs_mega_moe']:+.2f}% of mega_moe's mean"
                       if "rel_diff_vs_mega_moe" in entry else "")
             notes.append(f"{key}: mean loss {entry['mean']:.4f} over {entry['runs']} run(s) "

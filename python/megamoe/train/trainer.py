@@ -369,7 +369,7 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
         for step in range(setup.start_step + 1, config.train.steps + 1):
             profiler = _step_profiler(cuda) if step == config.log.profile_step else None
             if profiler is not None:
-                profiler.__enter__()
+                profiler.start()
             t0 = time.perf_counter()
             ce_sum = torch.zeros((), device=device)
             aux_sum = torch.zeros((), device=device)
@@ -391,7 +391,7 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             ce_total, aux_total, norm = torch.cat([sums, grad_norm.reshape(1).to(sums)]).tolist()
             step_time = time.perf_counter() - t0
             if profiler is not None:
-                profiler.__exit__(None, None, None)
+                profiler.stop()
                 if info.is_main:
                     path = _write_profile(profiler, log_dir, step, cuda)
                     say(f"step {step}: wrote the per-kernel profile {path} (this step's "
