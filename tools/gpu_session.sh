@@ -31,6 +31,10 @@
 #   checktrain     megamoe-train-bench's config with every experts call checked against the
 #                  torch backend (tools/check_training_layers.py; CHECK_STEPS, default 70)
 #   ncu:P:MODEL    Nsight Compute (full set) of one fused forward of MODEL at precision P
+#   ncustall:P:MODEL  Nsight Compute's warp-stall and per-instruction (SASS) sections of the
+#                  same forward's GEMMs
+#   profstep:B:P   megamoe-train-bench's config for 12 steps with backend B at precision P,
+#                  step 10 profiled (log.profile_step: kernels and the allocator's counters)
 # Set MEGAMOE_BENCH_COMMIT to the commit being measured when the tree has no .git, and
 # STAGE_TIMEOUT (seconds, default 590) to bound each stage.
 set -uo pipefail
@@ -145,6 +149,18 @@ for stage in "$@"; do
       spec=${stage#ncu:}; precision=${spec%%:*}; model=${spec#*:}
       run "ncu-$precision-$model.log" ncu --clock-control none --profile-from-start off --set full -k regex:gemm \
         python3 tools/profile_layer.py --ncu --precision "$precision" --model "$model" ;;
+    ncustall:*)
+      spec=${stage#ncustall:}; precision=${spec%%:*}; model=${spec#*:}
+      run "ncustall-$precision-$model.log" ncu --clock-control none --profile-from-start off \
+        --section WarpStateStats --section SchedulerStats --section SourceCounters \
+        --section SpeedOfLight -k regex:gemm \
+        python3 tools/profile_layer.py --ncu --precision "$precision" --model "$model" ;;
+    profstep:*)
+      spec=${stage#profstep:}; backend=${spec%%:*}; precision=${spec#*:}
+      run "profstep-$backend-$precision.log" python3 -m megamoe.train bench-qwen3-30b-a3b \
+        --train.steps 12 --log.profile_step 10 --log.interval 1 \
+        --model.moe.dispatch.type "\"$backend\"" --model.moe.dispatch.precision "\"$precision\"" \
+        --log.dir "$work/profstep-$backend-$precision" ;;
     *)
       echo "unknown stage $stage" >&2; status=1 ;;
   esac

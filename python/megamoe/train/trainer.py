@@ -443,7 +443,17 @@ def _write_profile(profiler, log_dir: Path, step: int, cuda: bool) -> Path:
     key = "cuda_time_total" if cuda else "cpu_time_total"
     table = profiler.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=100)
     path = log_dir / f"profile-step{step}.txt"
-    path.write_text(f"# megamoe-train, step {step}: torch.profiler, sorted by {key}\n{table}\n")
+    text = f"# megamoe-train, step {step}: torch.profiler, sorted by {key}\n{table}\n"
+    if cuda:
+        # Allocator churn near the top of memory (cudaMalloc / cudaFree between kernels,
+        # retries after freeing the cache) shows here, not in the kernel table.
+        stats = torch.cuda.memory_stats()
+        keys = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free",
+                "num_sync_all_streams")
+        text += "# allocator since start: " + ", ".join(
+            f"{k} {stats.get(k, 0)}" for k in keys) + (
+            f", reserved {torch.cuda.memory_reserved() / 2**30:.1f} GiB\n")
+    path.write_text(text)
     return path
 
 
