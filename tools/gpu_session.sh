@@ -34,7 +34,8 @@
 #   ncustall:P:MODEL  Nsight Compute's warp-stall and per-instruction (SASS) sections of the
 #                  same forward's GEMMs
 #   profstep:B:P   megamoe-train-bench's config for 12 steps with backend B at precision P,
-#                  step 10 profiled (log.profile_step: kernels and the allocator's counters)
+#                  step 10 profiled (log.profile_step: kernels and the allocator's counters);
+#                  PROFSTEP_ARGS: extra trainer overrides, PROFSTEP_TAG: a suffix for its logs
 # Set MEGAMOE_BENCH_COMMIT to the commit being measured when the tree has no .git, and
 # STAGE_TIMEOUT (seconds, default 590) to bound each stage.
 set -uo pipefail
@@ -157,10 +158,12 @@ for stage in "$@"; do
         python3 tools/profile_layer.py --ncu --precision "$precision" --model "$model" ;;
     profstep:*)
       spec=${stage#profstep:}; backend=${spec%%:*}; precision=${spec#*:}
-      run "profstep-$backend-$precision.log" python3 -m megamoe.train bench-qwen3-30b-a3b \
+      tag=$backend-$precision${PROFSTEP_TAG:-}
+      # shellcheck disable=SC2086
+      run "profstep-$tag.log" python3 -m megamoe.train bench-qwen3-30b-a3b \
         --train.steps 12 --log.profile_step 10 --log.interval 1 \
         --model.moe.dispatch.type "\"$backend\"" --model.moe.dispatch.precision "\"$precision\"" \
-        --log.dir "$work/profstep-$backend-$precision" ;;
+        --log.dir "$work/profstep-$tag" ${PROFSTEP_ARGS:-} ;;
     *)
       echo "unknown stage $stage" >&2; status=1 ;;
   esac

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 from typing import Optional
 
@@ -248,6 +249,7 @@ def _setup_context_fp8(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.weights_dtype = topk_weights.dtype
     ctx.forward_fp8 = forward_fp8
+    ctx.fp8_weights = (weakref.ref(w_gate_up), weakref.ref(w_down))
     ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t,
                           gate_up_scales, down_q_t, down_scales, h, acc_gate_up, acc_down)
 
@@ -260,6 +262,7 @@ def _backward_fp8(ctx, dy, _dh):
         dy.to(x.dtype).contiguous(), x, topk_ids, topk_weights.float().contiguous(), w_gate_up,
         w_down, gate_up_q, gate_up_q_t, gate_up_scales, down_q_t, down_scales, ctx.forward_fp8,
         h, needs, acc_gate_up, acc_down)
+    _release_fp8_copies(ctx.fp8_weights)
     return (dx if needs[0] else None, None,
             dp.to(ctx.weights_dtype) if needs[1] else None,
             dw1 if needs[2] and acc_gate_up is None else None,
@@ -284,23 +287,31 @@ def _(weight):
             weight.new_empty((E, N // 128, K // 128), dtype=torch.float32))
 
 
-_weight_cache = None
-
-
 def _fp8_copy(weight: Tensor):
     """The weight's FP8 copy (values, values^T, scales): from the process-wide cache
     (quantized once per optimizer step), or made afresh inside a torch.compile graph or a
     CUDA graph being captured, so that every run of the graph quantizes the weights it is
     given (a cached copy would be baked in)."""
-    global _weight_cache
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         from .weight_cache import QuantizedWeight
         values, values_t, scales = quantize_fp8_weight(weight.detach())
         return QuantizedWeight(values, scales, values_t)
-    if _weight_cache is None:
-        from .weight_cache import Fp8WeightCache
-        _weight_cache = Fp8WeightCache()
-    return _weight_cache.get(weight, transposed=True)
+    from .weight_cache import shared_cache
+    return shared_cache().get(weight, transposed=True)
+
+
+def _release_fp8_copies(weights) -> None:
+    """After a backward, drops its weights' cached copies when the cache is set to
+    (Fp8WeightCache.release_after_backward): the backward was their last use before the
+    optimizer changes the weights."""
+    from . import weight_cache
+    cache = weight_cache._shared
+    if cache is None or not cache.release_after_backward or torch.compiler.is_compiling():
+        return
+    for ref in weights:
+        weight = ref()
+        if weight is not None:
+            cache.invalidate(weight)
 
 
 def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,

@@ -22,6 +22,14 @@ When a copy goes stale (the next `get` quantizes again):
 What it cannot see: writes through `p.data` or a `.detach()`ed alias outside an optimizer
 step (they bypass the version counter); call `invalidate()` after those.
 
+Training that is short of memory can set `release_after_backward` (the trainer does in its
+FP8 precisions): the fused layer's backward then drops its weights' copies, its last use of
+them before the optimizer step. At the end of a backward every layer's copies would
+otherwise still be held next to all the gradients, which is where a step's memory peaks
+(12.4 GB at 11 layers of qwen3-30b-a3b). The cost: a forward after a backward without an
+optimizer step between them (the next micro-batch of gradient accumulation) quantizes
+again, about one read of the bf16 weights and one write of their copies.
+
 Entries are keyed on the weight object itself (pass the nn.Parameter, not `.data` or a
 view, which are new objects on every access) and hold it only weakly: when the parameter
 dies its copy is dropped, and no copy outlives its weight.
@@ -94,11 +102,15 @@ class Fp8WeightCache:
         quantize: the quantizer (see `Quantizer`); the default is `default_quantizer`.
         invalidate_on_optimizer_step: drop every copy when any torch.optim optimizer
             finishes a step (needed for fused optimizers; see the module docstring).
+        release_after_backward: the fused layer's backward drops the copies of the
+            weights it used (see the module docstring); an attribute, may be changed.
     """
 
     def __init__(self, quantize: Optional[Quantizer] = None, *,
-                 invalidate_on_optimizer_step: bool = True):
+                 invalidate_on_optimizer_step: bool = True,
+                 release_after_backward: bool = False):
         self._quantize = quantize or default_quantizer
+        self.release_after_backward = release_after_backward
         self._entries: dict[int, _Entry] = {}
         self.hits = 0
         self.misses = 0
@@ -164,3 +176,14 @@ class Fp8WeightCache:
     def nbytes(self) -> int:
         """Device memory the cached copies hold."""
         return sum(entry.copy.nbytes() for entry in self._entries.values())
+
+
+_shared: Optional[Fp8WeightCache] = None
+
+
+def shared_cache() -> Fp8WeightCache:
+    """The process-wide cache the fused layer's FP8 precisions take their weights from."""
+    global _shared
+    if _shared is None:
+        _shared = Fp8WeightCache()
+    return _shared

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megamoe
-from megamoe import _fused_op
+from megamoe.weight_cache import shared_cache
 from moe_testing import FUSED_CASES, make_problem, needs_cuda, rel_err, run_with_grads
 from test_torch_fp8 import ARGS, PRESETS, _check_against_float64
 
@@ -127,9 +127,9 @@ def test_weight_copies_are_made_once_per_weight_version():
     p = make_problem(256, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=5)
     w_gate_up = torch.nn.Parameter(p["w_gate_up"].clone())
     w_down = torch.nn.Parameter(p["w_down"].clone())
-    _fused_op._fp8_copy(w_gate_up)  # makes the process-wide cache
-    cache = _fused_op._weight_cache
+    cache = shared_cache()
     cache.invalidate()
+    assert not cache.release_after_backward
     misses = cache.misses
     for _ in range(3):
         megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down,
@@ -139,3 +139,30 @@ def test_weight_copies_are_made_once_per_weight_version():
     megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down, backend="fused",
                 precision="fp8")
     assert cache.misses - misses == 4
+
+
+def test_release_after_backward_drops_the_copies_a_backward_used():
+    p = make_problem(256, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=6)
+    w_gate_up = torch.nn.Parameter(p["w_gate_up"].clone())
+    w_down = torch.nn.Parameter(p["w_down"].clone())
+    other = torch.nn.Parameter(p["w_gate_up"].clone())
+    cache = shared_cache()
+    cache.invalidate()
+    cache.get(other)
+    reference = megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down,
+                            backend="fused", precision="fp8")
+    cache.release_after_backward = True
+    try:
+        misses = cache.misses
+        y = megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down,
+                        backend="fused", precision="fp8")
+        assert cache.misses == misses and len(cache) == 3  # the forward reuses the copies
+        y.sum().backward()
+        assert len(cache) == 1 and cache.nbytes() > 0  # only the unused weight's copy stays
+        again = megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down,
+                            backend="fused", precision="fp8")
+        assert cache.misses - misses == 2  # quantized again, to the same bits
+        assert torch.equal(again, reference) and torch.equal(y, reference)
+    finally:
+        cache.release_after_backward = False
+        cache.invalidate()

@@ -195,6 +195,12 @@ def apply_dispatch(model, config: Config, device: torch.device, group=None, buff
     mt.configure(model, backend=backend, precision=dispatch.precision, backward_mode=mode,
                  group=group, buffer=buffer, on_unsupported="error")
     model.set_experts_implementation("megamoe")
+    if backend == "fused" and dispatch.precision != "bf16":
+        # Each layer's FP8 weight copies are dropped after its backward rather than held to
+        # the optimizer step: at the end of a backward they would sit beside every gradient,
+        # where the step's memory peaks (megamoe.weight_cache).
+        from megamoe.weight_cache import shared_cache
+        shared_cache().release_after_backward = True
     if backend == "reference":
         return "megamoe backend=reference"
     mode = f", backward_mode={dispatch.backward_mode}" if backend == "fused" else ""
