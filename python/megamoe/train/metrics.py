@@ -49,6 +49,8 @@ def format_line(record: dict, total_steps: int, per: str = "GPU") -> str:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     if record.get("peak_memory_gib") is not None:
         parts.append(f"mem {record['peak_memory_gib']:.1f} GiB")
+    if record.get("alloc_retries"):
+        parts.append(f"allocator retries {record['alloc_retries']}")
     return " | ".join(parts)
 
 

@@ -365,6 +365,7 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     jsonl = (log_dir / "steps.jsonl").open("a") if info.is_main else None
+    alloc_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
     try:
         for step in range(setup.start_step + 1, config.train.steps + 1):
             profiler = _step_profiler(cuda) if step == config.log.profile_step else None
@@ -410,6 +411,11 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             }
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
+                # The caching allocator freeing its cache to retry an allocation syncs the
+                # device and remaps memory: one per step costs tens of milliseconds.
+                retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+                record["alloc_retries"] = retries - alloc_retries
+                alloc_retries = retries
             if info.is_main:
                 steps_log.append(record)
                 jsonl.write(json.dumps(record) + "\n")
@@ -441,10 +447,16 @@ def _step_profiler(cuda: bool):
 def _write_profile(profiler, log_dir: Path, step: int, cuda: bool) -> Path:
     """The step's operators and kernels by total time (device time on a GPU)."""
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    table = profiler.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=100)
+    averages = profiler.key_averages()
+    table = averages.table(sort_by=key, row_limit=60, max_name_column_width=100)
     path = log_dir / f"profile-step{step}.txt"
     text = f"# megamoe-train, step {step}: torch.profiler, sorted by {key}\n{table}\n"
     if cuda:
+        # A step whose host work outlasts its kernels leaves the GPU waiting: the
+        # operators and runtime calls by their own host time show where.
+        cpu = averages.table(sort_by="self_cpu_time_total", row_limit=40,
+                             max_name_column_width=100)
+        text += f"# the same step sorted by self_cpu_time_total\n{cpu}\n"
         # Allocator churn near the top of memory (cudaMalloc / cudaFree between kernels,
         # retries after freeing the cache) shows here, not in the kernel table.
         stats = torch.cuda.memory_stats()
