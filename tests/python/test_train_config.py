@@ -189,3 +189,14 @@ def test_reshard_after_forward_policy():
     assert not any(policy("never", n, last_layer=last) for n in (1, 8) for last in (False, True))
     with pytest.raises(ConfigError, match=r"parallel\.reshard_after_forward: expected one of"):
         policy("sometimes", 1)
+
+
+@pytest.mark.parametrize("policy,precision,device,world,expected", [
+    ("default", "fp8", "cuda", 1, "always"), ("default", "fp8_bwd", "cuda", 1, "always"),
+    ("default", "bf16", "cuda", 1, "default"), ("default", "fp8", "cuda", 2, "default"),
+    ("default", "fp8", "cpu", 1, "default"), ("never", "fp8", "cuda", 1, "never")])
+def test_fp8_on_one_gpu_reshards_by_default(policy, precision, device, world, expected):
+    config = load(overrides=[("parallel.reshard_after_forward", f'"{policy}"'),
+                             ("model.moe.dispatch.precision", f'"{precision}"')])
+    applied, why = model_mod.reshard_policy(config, torch.device(device), world)
+    assert applied == expected and bool(why) == (applied != policy)

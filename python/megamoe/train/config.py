@@ -176,7 +176,8 @@ class ParallelConfig:
                                         "bf16 parameters after the forward: 'always', "
                                         "'never' (faster, ~2 bytes per parameter more "
                                         "memory) or 'default' (only units sharded over more "
-                                        "than one rank, never the last decoder layer)",
+                                        "than one rank, never the last decoder layer; "
+                                        "every unit on one GPU with fused FP8 experts)",
                                         choices=RESHARD_POLICIES)
 
 

@@ -276,6 +276,22 @@ def reshard_after_forward(policy: str, mesh_size: int, *, last_layer: bool = Fal
     return mesh_size > 1 and not last_layer
 
 
+def reshard_policy(config: Config, device: torch.device, world_size: int) -> tuple[str, str]:
+    """parallel.reshard_after_forward as applied, and why when it differs from the config:
+    on one GPU, 'default' reshards every layer for the fused FP8 experts. Their weight
+    copies (W and W^T, as much memory as the bf16 experts) then take the room the gathered
+    bf16 layers would hold from the forward to the backward; keeping both pushed the
+    caching allocator into retries (two per step at the benchmark's 11 layers, +200 ms;
+    docs/training.md)."""
+    policy = config.parallel.reshard_after_forward
+    dispatch = config.model.moe.dispatch
+    if (policy == "default" and world_size == 1 and device.type == "cuda"
+            and dispatch.type == "mega_moe" and dispatch.precision != "bf16"):
+        return "always", (f"parallel.reshard_after_forward 'default' means 'always' here: one "
+                          f"GPU with the fused experts in {dispatch.precision}")
+    return policy, ""
+
+
 def apply_fsdp(trainer_module: nn.Module, model, world_mesh, expert_mesh, param_dtype,
                world_size: int, reshard: str = "default") -> None:
     """FSDP2 units as described in the module docstring. `expert_mesh` (the dp dimension)

@@ -298,8 +298,11 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     trainer = model_mod.CausalLMTrainer(model, config.train.loss_chunk_size, aux_coef,
                                         config.train.loss_implementation)
     param_dtype = torch.bfloat16 if config.train.dtype == "bf16" else torch.float32
+    reshard, why = model_mod.reshard_policy(config, device, info.world_size)
+    if why:
+        say(why)
     model_mod.apply_fsdp(trainer, model, world_mesh, expert_mesh, param_dtype, info.world_size,
-                         config.parallel.reshard_after_forward)
+                         reshard)
     if state.ep > 1:
         fqns = {name for name, _ in model.named_parameters() if ".experts." in f".{name}"}
         expert_views = ckpt.ExpertViews(fqns, dp_ep_mesh, state.ep)
