@@ -1,8 +1,11 @@
 #include "chain/expert_chain.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
+#include "core/error.h"
 #include "kernels/common/gather_padded.h"
 #include "kernels/common/quantize_fp8.h"
 #include "kernels/sm90/gemm.h"
@@ -47,13 +50,28 @@ Fp8Rows carve_rows(WorkspaceCarver& c, int64_t rows, int64_t cols) {
   r.scales = c.take<float>(cols / 128 * r.scale_ld);
   return r;
 }
+// A bf16 buffer of `elements` whose bytes also hold, before it is written, an e4m3 copy of
+// rows x cols with its scales (`fp8`): the piece is as large as the larger of the two.
+__nv_bfloat16* carve_shared_with_rows(WorkspaceCarver& c, int64_t elements, int64_t rows,
+                                      int64_t cols, Fp8Rows& fp8) {
+  WorkspaceCarver count;
+  carve_rows(count, rows, cols);
+  const size_t bytes = std::max(static_cast<size_t>(elements) * sizeof(__nv_bfloat16),
+                                count.bytes());
+  char* piece = c.take<char>(static_cast<int64_t>(bytes));
+  WorkspaceCarver inside(piece, bytes);  // counts only when `c` does (piece is null)
+  fp8 = carve_rows(inside, rows, cols);
+  return reinterpret_cast<__nv_bfloat16*>(piece);
+}
+
 Fp8Columns carve_columns(WorkspaceCarver& c, int64_t padded_rows, int64_t cols) {
   return {c.take<__nv_fp8_e4m3>(cols * padded_rows), c.take<float>(padded_rows / 128 * cols)};
 }
 
-// x [rows, cols] bf16 (row-major, ld = cols) -> 1x128 blocks.
+// x [rows, cols] bf16 (row-major, ld = cols) -> 1x128 blocks, row r of x at row r of out,
+// or, with dests.rows, at the rows of out that dests gives it (quantize_fp8_to_rows).
 void quantize_rows(const __nv_bfloat16* x, int64_t rows, int64_t cols, const Fp8Rows& out,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const Fp8RowDests& dests = {}) {
   Fp8QuantizeArgs q;
   q.x = x;
   q.x_row = cols;
@@ -64,7 +82,11 @@ void quantize_rows(const __nv_bfloat16* x, int64_t rows, int64_t cols, const Fp8
   q.scales = out.scales;
   q.s_0 = 1;
   q.s_1 = out.scale_ld;
-  quantize_fp8(Fp8Blocks::kRows1x128, q, stream);
+  if (dests.rows != nullptr) {
+    quantize_fp8_to_rows(q, dests, stream);
+  } else {
+    quantize_fp8(Fp8Blocks::kRows1x128, q, stream);
+  }
 }
 
 // x [padded_rows, cols] bf16 -> the token-contiguous copy [cols, padded_rows].
@@ -93,10 +115,33 @@ sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t N, int64_t K, bool transposed)
   return {w.q_t, w.scales, nb * kb, 1, kb};
 }
 
-// A token matrix's FP8 copy gathered by the GEMM's producer.
-sm90::MGroupedFp8A gathered_fp8(const Rows& r, const Fp8Rows& tokens) {
-  return {tokens.q, r.tokens, RowLayout::kSorted, r.plan.row_token, tokens.scales,
-          tokens.scale_ld};
+// MEGAMOE_FP8_GATHER_A set (and not "0"): the FP8 GEMMs on x and dy gather their A rows
+// from a token-matrix copy (the producer's cp.async) instead of reading the sorted copy by
+// TMA. A diagnostic, for an A/B of the two paths on the GPU; the bits are the same. Read
+// on every call (one getenv) so that a test can compare both in one process.
+bool fp8_gather_a() {
+  const char* v = std::getenv("MEGAMOE_FP8_GATHER_A");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
+// The A operand of a GEMM over the rows on a token matrix (x or dy [tokens, cols]),
+// quantized into `out` (at least max(rows, tokens) rows): by default every token's row and
+// scales at each sorted row the plan routes it to (slot_row), read by TMA; with
+// fp8_gather_a() the token matrix, gathered by the GEMM's producer. A row's values and
+// scales do not depend on where they are written, and the mainloop's arithmetic not on how
+// A arrives: the GEMMs give the same bits either way.
+sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens, int64_t cols,
+                                  const Fp8Rows& out, cudaStream_t stream) {
+  if (fp8_gather_a()) {
+    quantize_rows(tokens, r.tokens, cols, out, stream);
+    return {out.q, r.tokens, RowLayout::kSorted, r.plan.row_token, out.scales, out.scale_ld};
+  }
+  if (r.tokens > 0 && (r.topk < 1 || r.plan.slot_row == nullptr)) {
+    throw_invalid("expert chain: FP8 rows need the plan's slot_row and topk");
+  }
+  quantize_rows(tokens, r.tokens, cols, out, stream, {r.plan.slot_row, r.topk});
+  // Sorted rows past expert_offsets[E] stay unwritten: the GEMMs store no row of them.
+  return {out.q, r.rows, RowLayout::kSorted, nullptr, out.scales, out.scale_ld};
 }
 
 }  // namespace
@@ -105,10 +150,11 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
                              int64_t I, Precision precision) {
   ForwardBuffers b{};
   b.activation = carver.take<__nv_bfloat16>(rows * I);
-  b.out = carver.take<__nv_bfloat16>(rows * H);
   if (precision == Precision::kFp8) {
-    b.x_fp8 = carve_rows(carver, tokens, H);
+    b.out = carve_shared_with_rows(carver, rows * H, std::max(rows, tokens), H, b.x_fp8);
     b.activation_fp8 = carve_rows(carver, rows, I);
+  } else {
+    b.out = carver.take<__nv_bfloat16>(rows * H);
   }
   return b;
 }
@@ -117,11 +163,10 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
              __nv_bfloat16* saved_h, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_forward()) {
-    quantize_rows(rows.x, rows.tokens, H, b.x_fp8, stream);
+    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, H, b.x_fp8, stream);
     sm90::m_grouped_fp8_gemm_nt_swiglu(
-        over_rows(rows, gathered_fp8(rows, b.x_fp8), as_b(w.fp8_gate_up, 2 * I, H, false),
-                      H, I, b.activation),
-        saved_h, stream);
+        over_rows(rows, x, as_b(w.fp8_gate_up, 2 * I, H, false), H, I, b.activation), saved_h,
+        stream);
     quantize_rows(b.activation, rows.rows, I, b.activation_fp8, stream);
     const sm90::MGroupedFp8A activation{b.activation_fp8.q, rows.rows, RowLayout::kSorted,
                                         nullptr, b.activation_fp8.scales,
@@ -147,27 +192,29 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
   b.dh = carver.take<__nv_bfloat16>(b.padded_rows * 2 * I);
   b.a = carver.take<__nv_bfloat16>(b.padded_rows * I);
   b.dp_partial = carver.take<float>(rows * b.dp_parts);
-  b.token_rows = carver.take<__nv_bfloat16>(b.padded_rows * H);
   if (fp8) {
-    b.dy_fp8 = carve_rows(carver, tokens, H);
-    if (precision == Precision::kFp8 && !h_saved) b.x_fp8 = carve_rows(carver, tokens, H);
+    b.token_rows =
+        carve_shared_with_rows(carver, b.padded_rows * H, std::max(rows, tokens), H, b.dy_fp8);
+    if (precision == Precision::kFp8 && !h_saved) b.x_fp8 = b.dy_fp8;  // x's, then dy's
     b.dh_fp8 = carve_rows(carver, b.padded_rows, 2 * I);
     b.lhs_fp8 = carve_columns(carver, b.padded_rows, std::max(H, 2 * I));
     b.rhs_fp8 = carve_columns(carver, b.padded_rows, std::max(I, H));
+  } else {
+    b.token_rows = carver.take<__nv_bfloat16>(b.padded_rows * H);
   }
   return b;
 }
 
 namespace {
 
-// The FP8 dgrads: z = dy W_down^T's product with dy quantized (rows gathered) -> dh, a and
-// the dp partials; then dx rows = dh W_gate_up with dh quantized.
+// The FP8 dgrads: z = dy W_down^T's product with dy quantized (into the sorted rows, or
+// gathered) -> dh, a and the dp partials; then dx rows = dh W_gate_up with dh quantized
+// (into token_rows, after the L2 GEMM has read dy's copy there).
 void backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
                         const BackwardBuffers& b, bool dx_rows, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
-  quantize_rows(rows.dy, rows.tokens, H, b.dy_fp8, stream);
-  sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, gathered_fp8(rows, b.dy_fp8),
-                                               as_b(w.fp8_down, H, I, true), H, I, nullptr);
+  const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, H, b.dy_fp8, stream);
+  sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, dy, as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
   sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
       l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
@@ -186,13 +233,13 @@ void backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16*
 void backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16* saved_h,
                     const BackwardBuffers& b, bool dx_rows, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
-  // h = [gate | up] of every row: saved by the forward, or recomputed (x rows gathered).
+  // h = [gate | up] of every row: saved by the forward, or recomputed (x rows gathered, or
+  // in FP8 quantized into the sorted rows).
   const __nv_bfloat16* h = saved_h;
   if (h == nullptr && w.fp8_forward()) {  // the forward's FP8 GEMM, bit for bit
-    quantize_rows(rows.x, rows.tokens, H, b.x_fp8, stream);
-    sm90::m_grouped_fp8_gemm_nt(over_rows(rows, gathered_fp8(rows, b.x_fp8),
-                                              as_b(w.fp8_gate_up, 2 * I, H, false), H, 2 * I, b.h),
-                                stream);
+    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, H, b.x_fp8, stream);
+    sm90::m_grouped_fp8_gemm_nt(
+        over_rows(rows, x, as_b(w.fp8_gate_up, 2 * I, H, false), H, 2 * I, b.h), stream);
     h = b.h;
   } else if (h == nullptr) {
     sm90::m_grouped_gemm_nt(over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, 2 * I, b.h),

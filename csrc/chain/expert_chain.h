@@ -14,9 +14,13 @@
 //             gradients (K-grouped over each expert's padded rows).
 // Precision::kFp8 runs every GEMM in blockwise FP8 (kernels/sm90/gemm_fp8.h), kFp8Backward
 // the backward's only. Each GEMM's A is quantized once from bf16 just before it: x and dy
-// as token matrices (before the rows are gathered), the activation and dh as rows, and the
-// weight gradients' operands token-contiguous per 128 rows (quantize_fp8.h). The weights'
-// FP8 copies are the caller's (quantized once per optimizer step).
+// straight into the sorted rows (each token read and its scales computed once, its e4m3 row
+// written to every row it is routed to, so that the GEMMs read A by TMA: a gather producer
+// cannot feed FP8's k-block rate), the activation and dh as rows, and the weight gradients'
+// operands token-contiguous per 128 rows (quantize_fp8.h). MEGAMOE_FP8_GATHER_A=1 (read on
+// every call) quantizes x and dy as token matrices instead and gathers the GEMMs' A rows,
+// for an A/B of the two on the GPU: the same bits either way. The weights' FP8 copies are
+// the caller's (quantized once per optimizer step).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,9 +39,11 @@ namespace megamoe::chain {
 // row_token[r] of the token matrices and carries the router weight
 // slot_weights[row_slot[r]].
 struct Rows {
-  // expert_offsets, tile_offsets [E+1], row_token [rows]; backward: row_slot [rows]. The
-  // other members are not read.
+  // expert_offsets, tile_offsets [E+1], row_token [rows]; backward: row_slot [rows]; FP8
+  // (x and dy quantized into the sorted rows): slot_row [tokens * topk]. The other members
+  // are not read.
   RoutingPlan plan;
+  int64_t topk = 0;           // FP8: slots per token of plan.slot_row
   int64_t rows;               // rows allocated (at least expert_offsets[E])
   int64_t num_experts;        // E of the offsets, of the weights and of their gradients
   int64_t tokens;             // rows of x and dy
@@ -103,7 +109,9 @@ struct WeightGrad {
 struct ForwardBuffers {
   __nv_bfloat16* activation;  // [rows, I] silu(gate) * up
   __nv_bfloat16* out;         // [rows, H] the L2 output rows
-  Fp8Rows x_fp8;              // kFp8: x [tokens, H]
+  // kFp8: x's sorted rows [rows, H] (MEGAMOE_FP8_GATHER_A: the token matrix [tokens, H]),
+  // in out's bytes: L2 writes out after L1 has read them.
+  Fp8Rows x_fp8;
   Fp8Rows activation_fp8;     // kFp8: [rows, I]
 };
 ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t tokens, int64_t H,
@@ -121,14 +129,16 @@ struct BackwardBuffers {
   __nv_bfloat16* dh;        // [padded_rows, 2I]
   __nv_bfloat16* a;         // [padded_rows, I] silu(g) u
   float* dp_partial;        // [rows, dp_parts]
-  // [padded_rows, H], used three times in stream order: the dx rows ([rows, H]) until the
-  // caller has consumed them, then the p * dy rows of dW_down, then the x rows of
-  // dW_gate_up.
+  // [padded_rows, H], used in stream order: the FP8 copies of x and dy (below), then the dx
+  // rows ([rows, H]) until the caller has consumed them, then the p * dy rows of dW_down,
+  // then the x rows of dW_gate_up.
   __nv_bfloat16* token_rows;
   int64_t padded_rows;
   int64_t dp_parts;         // partials of dp per row: one per N-tile of I
-  // FP8 backward: dy (and x for an FP8 recompute) as token matrices, dh as rows, and the
-  // weight gradients' operands, reused by both gradients in stream order: lhs [max(H, 2I),
+  // FP8 backward: x (for an FP8 recompute) and dy in the sorted rows (MEGAMOE_FP8_GATHER_A:
+  // as token matrices), one buffer in token_rows' bytes used in stream order before the dx
+  // rows are written (x_fp8 = dy_fp8 when both are used); dh as rows; and the weight
+  // gradients' operands, reused by both gradients in stream order: lhs [max(H, 2I),
   // padded_rows] (p dy, then dh), rhs [max(I, H), padded_rows] (a, then x).
   Fp8Rows dy_fp8, x_fp8, dh_fp8;
   Fp8Columns lhs_fp8, rhs_fp8;

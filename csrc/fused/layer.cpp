@@ -57,6 +57,7 @@ chain::Rows rows_of(const RoutingPlan& plan, int64_t T, int64_t k, int64_t E,
                     const float* topk_weights) {
   chain::Rows r{};
   r.plan = plan;
+  r.topk = k;
   r.rows = T * k;
   r.num_experts = E;
   r.tokens = T;

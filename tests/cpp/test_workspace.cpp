@@ -175,25 +175,40 @@ TEST(FusedWorkspace, IsThePlanThenTheChainsBuffers) {
   error_of([] { megamoe::fused::forward_workspace_bytes(1, 17, 128, 128, 4); });
 }
 
-// The FP8 buffers: every piece sized for its matrix and scales, none overlapping another.
+// The FP8 buffers: every piece sized for its matrix and scales, none overlapping another,
+// but for the sorted FP8 rows of x and dy, which live in the bytes of a bf16 buffer written
+// after they are read (the forward's out, the backward's token_rows).
 TEST(ChainWorkspace, Fp8PiecesAreDisjointAndSized) {
   using megamoe::chain::Precision;
-  const int64_t rows = 4000, tokens = 500, E = 16, H = 512, I = 384;
+  const int64_t E = 16, I = 384;
   const auto ld = [](int64_t n) { return (n + 3) / 4 * 4; };
-  WorkspaceCarver counting;
-  megamoe::chain::carve_forward(counting, rows, tokens, H, I, Precision::kFp8);
-  WorkspaceCarver c(kFakeBase, counting.bytes());
-  const auto f = megamoe::chain::carve_forward(c, rows, tokens, H, I, Precision::kFp8);
-  Pieces forward(kFakeBase, c.bytes());
-  forward.add("activation", f.activation, rows * I * 2);
-  forward.add("out", f.out, rows * H * 2);
-  forward.add("x q", f.x_fp8.q, tokens * H);
-  forward.add("x scales", f.x_fp8.scales, H / 128 * ld(tokens) * 4);
-  forward.add("activation q", f.activation_fp8.q, rows * I);
-  forward.add("activation scales", f.activation_fp8.scales, I / 128 * ld(rows) * 4);
-  forward.check();
-  EXPECT_EQ(f.x_fp8.scale_ld, ld(tokens));
+  // Bytes of an FP8 copy of n rows of H and of the bf16 buffer that holds it.
+  const auto fp8_bytes = [&](int64_t n, int64_t H) {
+    return (n * H + 255) / 256 * 256 + H / 128 * ld(n) * 4;
+  };
+  // (rows, tokens, H); one row of 128: the FP8 copy (with its scales) is larger than out.
+  for (const auto& [rows, tokens, H] :
+       {std::tuple<int64_t, int64_t, int64_t>{4000, 500, 512}, {1, 1, 128}}) {
+    SCOPED_TRACE("rows=" + std::to_string(rows) + " H=" + std::to_string(H));
+    WorkspaceCarver counting;
+    megamoe::chain::carve_forward(counting, rows, tokens, H, I, Precision::kFp8);
+    WorkspaceCarver c(kFakeBase, counting.bytes());
+    const auto f = megamoe::chain::carve_forward(c, rows, tokens, H, I, Precision::kFp8);
+    const int64_t out_bytes = std::max(rows * H * 2, fp8_bytes(rows, H));
+    Pieces forward(kFakeBase, c.bytes());
+    forward.add("activation", f.activation, rows * I * 2);
+    forward.add("out (and x's FP8 rows before it)", f.out, out_bytes);
+    forward.add("activation q", f.activation_fp8.q, rows * I);
+    forward.add("activation scales", f.activation_fp8.scales, I / 128 * ld(rows) * 4);
+    forward.check();
+    Pieces in_out(f.out, out_bytes);
+    in_out.add("x q", f.x_fp8.q, rows * H);
+    in_out.add("x scales", f.x_fp8.scales, H / 128 * ld(rows) * 4);
+    in_out.check();
+    EXPECT_EQ(f.x_fp8.scale_ld, ld(rows));
+  }
 
+  const int64_t rows = 4000, tokens = 500, H = 512;
   for (const Precision precision : {Precision::kFp8, Precision::kFp8Backward}) {
     WorkspaceCarver count_b;
     megamoe::chain::carve_backward(count_b, rows, tokens, E, H, I, false, precision);
@@ -206,15 +221,8 @@ TEST(ChainWorkspace, Fp8PiecesAreDisjointAndSized) {
     backward.add("dh", b.dh, P * 2 * I * 2);
     backward.add("a", b.a, P * I * 2);
     backward.add("dp_partial", b.dp_partial, rows * b.dp_parts * 4);
-    backward.add("token_rows", b.token_rows, P * H * 2);
-    backward.add("dy q", b.dy_fp8.q, tokens * H);
-    backward.add("dy scales", b.dy_fp8.scales, H / 128 * ld(tokens) * 4);
-    if (precision == Precision::kFp8) {
-      backward.add("x q", b.x_fp8.q, tokens * H);
-      backward.add("x scales", b.x_fp8.scales, H / 128 * ld(tokens) * 4);
-    } else {
-      EXPECT_EQ(b.x_fp8.q, nullptr) << "fp8_bwd recomputes L1 in bf16";
-    }
+    backward.add("token_rows (and the FP8 rows of x, then dy, before them)", b.token_rows,
+                 P * H * 2);
     backward.add("dh q", b.dh_fp8.q, P * 2 * I);
     backward.add("dh scales", b.dh_fp8.scales, 2 * I / 128 * P * 4);
     backward.add("lhs q", b.lhs_fp8.q, std::max(H, 2 * I) * P);
@@ -222,6 +230,17 @@ TEST(ChainWorkspace, Fp8PiecesAreDisjointAndSized) {
     backward.add("rhs q", b.rhs_fp8.q, std::max(I, H) * P);
     backward.add("rhs scales", b.rhs_fp8.scales, P / 128 * std::max(I, H) * 4);
     backward.check();
+    Pieces in_token_rows(b.token_rows, P * H * 2);
+    in_token_rows.add("dy q", b.dy_fp8.q, rows * H);
+    in_token_rows.add("dy scales", b.dy_fp8.scales, H / 128 * ld(rows) * 4);
+    in_token_rows.check();
+    EXPECT_EQ(b.dy_fp8.scale_ld, ld(rows));
+    if (precision == Precision::kFp8) {
+      EXPECT_EQ(b.x_fp8.q, b.dy_fp8.q) << "x's copy is dead once L1 is recomputed";
+      EXPECT_EQ(b.x_fp8.scales, b.dy_fp8.scales);
+    } else {
+      EXPECT_EQ(b.x_fp8.q, nullptr) << "fp8_bwd recomputes L1 in bf16";
+    }
   }
 }
 

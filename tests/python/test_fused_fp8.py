@@ -70,6 +70,36 @@ def test_bitwise_reproducible_and_modes_agree(precision):
         assert torch.equal(g0[name], g2[name]), name
 
 
+GATHER_A_CASES = [  # T, H, I, E, k, extra: a tail tile, dropped slots, empty experts, k = 1
+    (3000, 512, 256, 32, 4, dict(invalid_fraction=0.05, skip_experts=(3,))),
+    (7, 256, 128, 8, 2, dict(invalid_fraction=0.2)),
+    (1000, 256, 384, 8, 1, dict(skip_experts=(0, 1, 2, 3, 4, 5))),
+    (257, 128, 128, 512, 16, dict(invalid_fraction=0.1)),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("T,H,I,E,k,extra", GATHER_A_CASES)
+def test_sorted_fp8_rows_match_the_gathered_path(T, H, I, E, k, extra, precision, mode,
+                                                 monkeypatch):
+    """x and dy quantized straight into the sorted rows (A by TMA, the default) and
+    MEGAMOE_FP8_GATHER_A=1 (token matrices, A rows gathered by the GEMMs' producer; read by
+    the library on every call): the same values and scales into the same GEMM arithmetic,
+    so y and every gradient have the same bits."""
+    p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 31, **extra)
+    monkeypatch.delenv("MEGAMOE_FP8_GATHER_A", raising=False)
+    y_sorted, g_sorted = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                                        backward_mode=mode)
+    monkeypatch.setenv("MEGAMOE_FP8_GATHER_A", "1")
+    y_gathered, g_gathered = run_with_grads(megamoe.moe, p, backend="fused",
+                                            precision=precision, backward_mode=mode)
+    assert torch.isfinite(y_sorted).all()
+    assert torch.equal(y_sorted, y_gathered)
+    for name in g_sorted:
+        assert torch.equal(g_sorted[name], g_gathered[name]), name
+
+
 def test_weight_gradient_accumulators_add_the_same_gradients():
     p = make_problem(600, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=3)
     _, grads = run_with_grads(megamoe.moe, p, backend="fused", precision="fp8")

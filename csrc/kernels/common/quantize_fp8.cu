@@ -41,13 +41,31 @@ __device__ __forceinline__ uint32_t mask_nan(uint32_t q, uint32_t nan_bytes) {
   return (q & ~nan_bytes) | (kE4m3NanX4 & nan_bytes);
 }
 
+// Calls write(d) for every row d of the direct copy that row `row` of x goes to: `row`
+// itself, or (kToRows) its entries of `dests`. (Fp8RowDests is a kernel parameter of its
+// own: in Fp8QuantizeArgs it costs the plain kernels registers.)
+template <bool kToRows, class Write>
+__device__ __forceinline__ void for_each_dest(const Fp8RowDests& dests, int64_t row,
+                                              Write&& write) {
+  if constexpr (kToRows) {
+    for (int64_t j = 0; j < dests.per_row; ++j) {
+      const int32_t d = __ldg(&dests.rows[row * dests.per_row + j]);
+      if (d >= 0) write(int64_t(d));
+    }
+  } else {
+    write(row);
+  }
+}
+
 // One CTA per 128 x 128 tile of one matrix of the batch: read once, the scales of its
 // blocks, the e4m3 values written directly and/or transposed (through shared memory, as
 // 8 x 8 byte blocks transposed in registers; 8-byte chunks XOR-swizzled by column group so
 // that both the stores and the 16-byte reads are free of bank conflicts).
-template <Fp8Blocks kBlocks>
+template <Fp8Blocks kBlocks, bool kToRows = false>
 __global__ void __launch_bounds__(kThreads, 3)
-    quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles) {
+    quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
+                        Fp8RowDests dests) {
+  static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
   __shared__ alignas(16) uint8_t staged[kTile * kTile];
   __shared__ uint32_t partial_max[kWarps][kColGroups * 4];
   __shared__ float column_r[kTile];
@@ -81,7 +99,9 @@ __global__ void __launch_bounds__(kThreads, 3)
       qlo[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r);
       qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
       const int64_t row = row0 + kRowsPerThread * rg + i;
-      if (cg == 0 && row < a.rows) scales[row * a.s_0 + tj * a.s_1] = s.scale;
+      if (cg == 0 && row < a.rows) {
+        for_each_dest<kToRows>(dests, row, [&](int64_t d) { scales[d * a.s_0 + tj * a.s_1] = s.scale; });
+      }
     }
   } else if constexpr (kBlocks == Fp8Blocks::kTiles128) {
     uint32_t m = 0;
@@ -151,7 +171,10 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int64_t row = row0 + kRowsPerThread * rg + i;
-      if (row < a.rows) *reinterpret_cast<uint2*>(qb + row * a.q_row) = make_uint2(qlo[i], qhi[i]);
+      if (row < a.rows) {
+        const uint2 q = make_uint2(qlo[i], qhi[i]);
+        for_each_dest<kToRows>(dests, row, [&](int64_t d) { *reinterpret_cast<uint2*>(qb + d * a.q_row) = q; });
+      }
     }
   }
 
@@ -196,7 +219,7 @@ void check_sizes(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
 }
 
 // Pointers and strides of a call with work to do (frameworks hand out NULL for empty tensors).
-void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
+void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows) {
   const bool direct = a.q != nullptr, transposed = a.q_t != nullptr;
   if (blocks == Fp8Blocks::kRows1x128 && (!direct || transposed)) fail("needs q and no q_t");
   if (blocks == Fp8Blocks::kColumns128 && (direct || !transposed)) fail("needs q_t and no q");
@@ -206,39 +229,60 @@ void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
     fail("x, q and q_t must be 16-byte aligned");
   }
   // Strides of dimensions of size 1 are never used (rows past the first one, batches past
-  // the first one), so only the others must keep the 16-byte vectors aligned.
+  // the first one), so only the others must keep the 16-byte vectors aligned (q's rows are
+  // used whenever rows have destinations, even for a one-row x).
   const bool rows = a.rows > 1, batches = a.batches > 1;
+  const bool q_rows = rows || to_rows;
   if ((rows && a.x_row % 8) || (batches && a.x_batch % 8) ||
-      (direct && ((rows && a.q_row % 16) || (batches && a.q_batch % 16))) ||
+      (direct && ((q_rows && a.q_row % 16) || (batches && a.q_batch % 16))) ||
       (transposed && (a.t_row % 16 || (batches && a.t_batch % 16)))) {
     fail("row and batch strides must be multiples of 16 bytes");
   }
 }
 
-}  // namespace
+int64_t row_tiles_of(const Fp8QuantizeArgs& a) { return (a.rows + kTile - 1) / kTile; }
 
-void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t stream) {
+// The grid of a call with work to do; 0 for none. Checks the arguments.
+unsigned checked_grid(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows) {
   check_sizes(blocks, a);
-  if (a.batches == 0 || a.rows == 0) return;
-  check_pointers(blocks, a);
-  const int64_t row_tiles = (a.rows + kTile - 1) / kTile, col_tiles = a.cols / kTile;
-  const int64_t tiles = a.batches * row_tiles * col_tiles;
+  if (a.batches == 0 || a.rows == 0) return 0;
+  check_pointers(blocks, a, to_rows);
+  const int64_t tiles = a.batches * row_tiles_of(a) * (a.cols / kTile);
   if (tiles > INT_MAX) {
     throw_invalid("quantize_fp8: " + std::to_string(tiles) + " tiles of 128 x 128, more than "
                   "one launch can hold");
   }
-  const auto grid = static_cast<unsigned>(tiles);
+  return static_cast<unsigned>(tiles);
+}
+
+}  // namespace
+
+void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t stream) {
+  const unsigned grid = checked_grid(blocks, a, false);
+  if (grid == 0) return;
+  const int64_t row_tiles = row_tiles_of(a), col_tiles = a.cols / kTile;
   switch (blocks) {
     case Fp8Blocks::kRows1x128:
-      quantize_fp8_kernel<Fp8Blocks::kRows1x128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+      quantize_fp8_kernel<Fp8Blocks::kRows1x128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
     case Fp8Blocks::kTiles128:
-      quantize_fp8_kernel<Fp8Blocks::kTiles128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+      quantize_fp8_kernel<Fp8Blocks::kTiles128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
     case Fp8Blocks::kColumns128:
-      quantize_fp8_kernel<Fp8Blocks::kColumns128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+      quantize_fp8_kernel<Fp8Blocks::kColumns128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
   }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
+                          cudaStream_t stream) {
+  if (dests.per_row < 1) fail("dests.per_row must be at least 1");
+  const unsigned grid = checked_grid(Fp8Blocks::kRows1x128, a, true);
+  if (grid == 0) return;
+  if (dests.rows == nullptr) fail("null dests.rows");
+  quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>
+      <<<grid, kThreads, 0, stream>>>(a, row_tiles_of(a), a.cols / kTile, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

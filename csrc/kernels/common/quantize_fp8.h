@@ -43,4 +43,21 @@ struct Fp8QuantizeArgs {
 
 void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& args, cudaStream_t stream);
 
+// Where quantize_fp8_to_rows writes row r of x: rows rows[r * per_row + j] (j < per_row) of
+// q and of the scales (their i), none for a negative entry; rows that no entry names are
+// left untouched. For a token matrix quantized straight into a routing plan's expert-sorted
+// rows (rows = slot_row, per_row = top-k). Device memory, unchecked: every entry is
+// negative or below q's rows.
+struct Fp8RowDests {
+  const int32_t* rows = nullptr;
+  int64_t per_row = 1;
+};
+
+// kRows1x128 with every row of x written to the rows `dests` gives it: each row read and
+// its scales computed once, however many rows it goes to; the same bits as quantize_fp8
+// followed by a copy of the rows. A separate kernel, not a branch of quantize_fp8's: the
+// loop's registers would cost the plain kernel an occupancy step.
+void quantize_fp8_to_rows(const Fp8QuantizeArgs& args, const Fp8RowDests& dests,
+                          cudaStream_t stream);
+
 }  // namespace megamoe
