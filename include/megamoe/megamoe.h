@@ -233,6 +233,12 @@ MEGAMOE_API megamoe_status megamoe_fused_backward(
  *   [E, H/128, I/128].
  * The forward reads q and scales, the backward q_t and scales (and w_gate_up_q, to
  * recompute L1 in FP8). The results are bitwise reproducible run to run; no host sync; capturable.
+ * Workspace: besides the bf16 layer's buffers, the e4m3 copies and scales of the GEMMs'
+ * A operands. x and dy are quantized into the T*k expert-sorted rows (T*k*H bytes and
+ * H/128 * ceil4(T*k) fp32 scales), in the bytes of a bf16 row buffer that the call writes
+ * only after reading them (docs/fp8.md, "Workspace"). The environment variable
+ * MEGAMOE_FP8_GATHER_A=1, read on every call, makes the GEMMs gather x's and dy's rows from
+ * token-matrix copies instead (a diagnostic for the GPU; the same bits, the same workspace).
  * ------------------------------------------------------------------------------------- */
 
 MEGAMOE_API megamoe_status megamoe_fused_fp8_workspace_size(int64_t tokens, int64_t topk,
