@@ -3,7 +3,10 @@
 // the kernels are tested against the reference quantizer in tests/python/test_fp8_kernels.py).
 // And, on a GPU, the 1x128 quantizer writing rows to a routing plan's sorted rows
 // (internal, quantize_fp8_to_rows of kernels/common/quantize_fp8.h): the bits of
-// quantizing the token matrix and then gathering its rows, values and scales.
+// quantizing the token matrix and then gathering its rows, values and scales. And the
+// 128-row column quantizer reading a plan's padded rows straight from the token matrix
+// (quantize_fp8_columns_gathered): the bits of gather_rows_padded and then quantizing the
+// columns.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -17,7 +20,9 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "kernels/common/gather_padded.h"
 #include "kernels/common/quantize_fp8.h"
+#include "kernels/common/routing_plan.h"
 #include "megamoe/megamoe.h"
 #include "test_util.h"
 
@@ -336,4 +341,194 @@ TEST(QuantizeFp8SortedRowsErrors, NeedsDestinations) {
   a.q_row = 128;
   expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, {nullptr, 2}, nullptr); },
                  "null dests.rows");
+}
+
+// ---------------------------------------------------------------------------------------
+// Columns of the padded rows quantized straight from the token matrix
+// (quantize_fp8_columns_gathered).
+
+namespace {
+
+class QuantizeFp8GatheredColumns : public GpuTest {
+ protected:
+  // T tokens of H columns routed by `ids` ([T, k], -1 drops a slot) through a routing plan
+  // (build_routing_plan, block_m 128); with `weighted`, each row scaled by its slot's
+  // weight. gather_rows_padded into a NaN-poisoned bf16 buffer and quantize_fp8
+  // (kColumns128) of it, against quantize_fp8_columns_gathered into poisoned outputs: every
+  // byte of q_t and every scale of the used row blocks (below tile_offsets[E]) equal, and
+  // the rest of both still poison.
+  void check(int64_t T, int64_t k, int64_t H, int64_t E, const std::vector<int32_t>& ids,
+             bool weighted, uint64_t seed) {
+    SEEDED(seed);
+    SCOPED_TRACE("T=" + std::to_string(T) + " k=" + std::to_string(k) + " H=" +
+                 std::to_string(H) + " E=" + std::to_string(E) +
+                 (weighted ? " weighted" : " unweighted"));
+    std::mt19937_64 rng(seed);
+    const int64_t n = T * k, padded = megamoe::padded_rows_bound(n, E);
+    const int64_t blocks = padded / 128;
+    const std::vector<uint16_t> x = awkward_tokens(T, H, rng);
+    std::vector<float> w(n);
+    std::uniform_real_distribution<float> wdist(0.0f, 1.0f);
+    std::uniform_int_distribution<int> kind(0, 15);
+    for (float& v : w) {
+      const int what = kind(rng);
+      v = what == 0 ? 0.0f : what == 1 ? 1e30f : what == 2 ? 1e-30f : what == 3 ? -2.5f
+                                                                              : wdist(rng);
+    }
+    const auto* x_d = reinterpret_cast<const __nv_bfloat16*>(upload(x));
+    const float* w_d = weighted ? upload(w) : nullptr;
+    const int32_t* ids_d = upload(ids);
+    const megamoe::RoutingPlan plan{alloc<int32_t>(E), alloc<int32_t>(E + 1),
+                                    alloc<int32_t>(E + 1), alloc<int32_t>(n),
+                                    alloc<int32_t>(n), alloc<int32_t>(n), alloc<int32_t>(1)};
+    void* scratch = alloc<char>(static_cast<int64_t>(megamoe::routing_plan_scratch_bytes(n, E)));
+    ASSERT_FALSE(HasFailure());
+    megamoe::build_routing_plan(ids_d, false, T, k, E, 128, plan, scratch, stream_);
+    const int64_t used = download(plan.tile_offsets + E, 1)[0];
+    ASSERT_LE(used, blocks);
+
+    megamoe::Fp8QuantizeArgs a;
+    a.rows = padded;
+    a.cols = H;
+    a.t_row = padded;
+    a.s_0 = 1;
+    a.s_1 = H;
+    const auto poisoned = [&](uint8_t*& q, float*& s) {
+      q = alloc<uint8_t>(H * padded);
+      s = alloc<float>(blocks * H);
+      CUDA_OK(cudaMemset(q, kPoisonByte, H * padded));
+      CUDA_OK(cudaMemset(s, 0x7b, blocks * H * sizeof(float)));
+    };
+
+    auto* rows = alloc<__nv_bfloat16>(padded * H);
+    CUDA_OK(cudaMemset(rows, 0xFF, padded * H * sizeof(uint16_t)));  // NaN past the used rows
+    megamoe::gather_rows_padded(x_d, H, plan, E, w_d, padded, rows, stream_);
+    megamoe::Fp8QuantizeArgs unfused = a;
+    unfused.x = rows;
+    unfused.x_row = H;
+    poisoned(unfused.q_t, unfused.scales);
+    megamoe::quantize_fp8(megamoe::Fp8Blocks::kColumns128, unfused, stream_);
+
+    megamoe::Fp8QuantizeArgs fused = a;
+    fused.x = x_d;
+    fused.x_row = H;
+    poisoned(fused.q_t, fused.scales);
+    megamoe::Fp8PaddedSource src;
+    src.expert_offsets = plan.expert_offsets;
+    src.tile_offsets = plan.tile_offsets;
+    src.row_token = plan.row_token;
+    src.row_slot = plan.row_slot;
+    src.slot_weights = w_d;
+    src.num_experts = E;
+    megamoe::quantize_fp8_columns_gathered(fused, src, stream_);
+
+    const std::vector<uint8_t> want_q = download(unfused.q_t, H * padded),
+                               got_q = download(fused.q_t, H * padded);
+    const std::vector<float> want_s = download(unfused.scales, blocks * H),
+                             got_s = download(fused.scales, blocks * H);
+    int64_t bad_q = 0, bad_s = 0;
+    for (int64_t c = 0; c < H; ++c) {
+      for (int64_t p = 0; p < padded; ++p) {
+        const int64_t i = c * padded + p;
+        const uint8_t want = p < used * 128 ? want_q[i] : kPoisonByte;
+        if (got_q[i] != want && bad_q++ < 5) {
+          ADD_FAILURE() << "q_t column " << c << " padded row " << p << ": " << int(got_q[i])
+                        << ", expected " << int(want);
+        }
+      }
+    }
+    for (int64_t j = 0; j < blocks; ++j) {
+      for (int64_t c = 0; c < H; ++c) {
+        uint32_t got, want = kPoisonScale;
+        std::memcpy(&got, &got_s[j * H + c], 4);
+        if (j < used) std::memcpy(&want, &want_s[j * H + c], 4);
+        if (got != want && bad_s++ < 5) {
+          ADD_FAILURE() << "scale of column " << c << " row block " << j << ": " << std::hex
+                        << got << ", expected " << want;
+        }
+      }
+    }
+    EXPECT_EQ(bad_q, 0);
+    EXPECT_EQ(bad_s, 0);
+  }
+};
+
+}  // namespace
+
+TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantize) {
+  struct Case {
+    int64_t T, k, H, E, empty, drop_every;
+  };
+  const Case cases[] = {
+      {300, 8, 256, 16, 5, 0},    // tokens not a multiple of 128, an expert without rows
+      {300, 8, 256, 16, -1, 7},   // dropped slots
+      {1, 1, 128, 4, -1, 0},      // one token, k = 1
+      {130, 1, 384, 8, 0, 0},     // k = 1, expert 0 empty
+      {257, 3, 128, 2, 1, 5},     // every row on one expert, some dropped
+      {1000, 2, 128, 1, -1, 0},   // one expert: 2000 rows, 16 tiles, the last partial
+      {64, 4, 2048, 128, 7, 0},   // qwen3's H and E, few tokens
+  };
+  for (const Case& c : cases) {
+    for (const bool weighted : {false, true}) {
+      const uint64_t seed = fresh_seed();
+      std::mt19937_64 rng(seed);
+      check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng),
+            weighted, seed);
+    }
+  }
+  // A token routed twice to the same expert; every slot dropped (no used tile at all).
+  check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, true, fresh_seed());
+  check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
+}
+
+TEST(QuantizeFp8GatheredColumnsErrors, ArgumentsNamed) {
+  alignas(16) static int32_t offsets[8] = {};
+  alignas(16) static uint16_t x[8] = {};
+  const auto good = [] {
+    megamoe::Fp8QuantizeArgs a;
+    a.x = reinterpret_cast<const __nv_bfloat16*>(x);
+    a.x_row = 128;
+    a.rows = 256;
+    a.cols = 128;
+    a.q_t = reinterpret_cast<uint8_t*>(x);
+    a.t_row = 256;
+    a.scales = reinterpret_cast<float*>(x);
+    a.s_0 = 1;
+    a.s_1 = 128;
+    return a;
+  };
+  megamoe::Fp8PaddedSource src;
+  src.expert_offsets = offsets;
+  src.tile_offsets = offsets;
+  src.row_token = offsets;
+  src.num_experts = 2;
+  // Every call below throws before any device work.
+  const auto call = [&](const megamoe::Fp8QuantizeArgs& a, const megamoe::Fp8PaddedSource& s) {
+    return [a, s] { megamoe::quantize_fp8_columns_gathered(a, s, nullptr); };
+  };
+  megamoe::Fp8QuantizeArgs a = good();
+  a.batches = 2;
+  expect_invalid(call(a, src), "one matrix (batches = 1)");
+  megamoe::Fp8PaddedSource s = src;
+  s.num_experts = 0;
+  expect_invalid(call(good(), s), "src.num_experts must be in [1, 2^31)");
+  a = good();
+  a.cols = 100;
+  expect_invalid(call(a, src), "cols must be a positive multiple of 128");
+  a = good();
+  a.q = reinterpret_cast<uint8_t*>(x);
+  expect_invalid(call(a, src), "needs q_t and no q");
+  a = good();
+  a.x_row = 132;  // 264 bytes
+  expect_invalid(call(a, src), "multiples of 16 bytes");
+  a = good();
+  a.rows = 1;  // one padded row: the token stride is still used
+  a.x_row = 4;
+  expect_invalid(call(a, src), "multiples of 16 bytes");
+  s = src;
+  s.row_token = nullptr;
+  expect_invalid(call(good(), s), "null routing plan pointer");
+  s = src;
+  s.slot_weights = reinterpret_cast<const float*>(x);  // weights without row_slot
+  expect_invalid(call(good(), s), "null routing plan pointer");
 }

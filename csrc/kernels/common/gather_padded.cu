@@ -4,6 +4,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/bf16_scale.cuh"
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/sm_count.h"
 
@@ -43,16 +44,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float scale = slot_weights ? __ldg(&slot_weights[__ldg(&row_slot[row])]) : 1.0f;
     const uint4* from = src + int64_t(__ldg(&row_token[row])) * vecs;
     for (int64_t v = lane; v < vecs; v += 32) {
-      uint4 q = __ldg(&from[v]);
-      if (slot_weights) {
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          h[i] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
-        }
-      }
-      dst[v] = q;
+      const uint4 q = __ldg(&from[v]);
+      dst[v] = slot_weights ? scale_bf16x8(q, scale) : q;
     }
   }
 }

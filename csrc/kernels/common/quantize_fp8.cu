@@ -3,9 +3,11 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/common/bf16_scale.cuh"
 #include "kernels/common/fp8_recipe.cuh"
 #include "kernels/common/kernel_preload.h"
 
@@ -44,8 +46,8 @@ __device__ __forceinline__ uint32_t mask_nan(uint32_t q, uint32_t nan_bytes) {
 // Calls write(d) for every row d of the direct copy that row `row` of x goes to: `row`
 // itself, or (kToRows) its entries of `dests`. (Fp8RowDests is a kernel parameter of its
 // own: in Fp8QuantizeArgs it costs the plain kernels registers.)
-template <bool kToRows, class Write>
-__device__ __forceinline__ void for_each_dest(const Fp8RowDests& dests, int64_t row,
+template <bool kToRows, class Dests, class Write>
+__device__ __forceinline__ void for_each_dest(const Dests& dests, int64_t row,
                                               Write&& write) {
   if constexpr (kToRows) {
     for (int64_t j = 0; j < dests.per_row; ++j) {
@@ -60,12 +62,15 @@ __device__ __forceinline__ void for_each_dest(const Fp8RowDests& dests, int64_t 
 // One CTA per 128 x 128 tile of one matrix of the batch: read once, the scales of its
 // blocks, the e4m3 values written directly and/or transposed (through shared memory, as
 // 8 x 8 byte blocks transposed in registers; 8-byte chunks XOR-swizzled by column group so
-// that both the stores and the 16-byte reads are free of bank conflicts).
-template <Fp8Blocks kBlocks, bool kToRows = false>
+// that both the stores and the 16-byte reads are free of bank conflicts). kGathered: the
+// tile's rows are padded rows of a routing plan over the token matrix x (`dests` is then
+// an Fp8PaddedSource), read as gather_rows_padded would write them.
+template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
 __global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
-                        Fp8RowDests dests) {
+                        std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
   static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
+  static_assert(!kGathered || (kBlocks == Fp8Blocks::kColumns128 && !kToRows));
   __shared__ alignas(16) uint8_t staged[kTile * kTile];
   __shared__ uint32_t partial_max[kWarps][kColGroups * 4];
   __shared__ float column_r[kTile];
@@ -80,11 +85,41 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   uint4 v[kRowsPerThread];
   const __nv_bfloat16* xb = a.x + b * a.x_batch + col0 + 8 * cg;
+  if constexpr (kGathered) {
+    // Every tile belongs to one expert: the last whose first tile is <= ti (the search of
+    // gather_rows_padded). Tiles from tile_offsets[E] on: none (the whole CTA returns).
+    const Fp8PaddedSource& p = dests;
+    const int32_t E = static_cast<int32_t>(p.num_experts);
+    if (ti >= __ldg(&p.tile_offsets[E])) return;
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (__ldg(&p.tile_offsets[mid]) <= ti) lo = mid; else hi = mid - 1;
+    }
+    const int32_t first = __ldg(&p.expert_offsets[lo]);
+    const int64_t count = __ldg(&p.expert_offsets[lo + 1]) - first;
+    const int64_t local0 = row0 - int64_t(__ldg(&p.tile_offsets[lo])) * kTile;
 #pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const int64_t row = row0 + kRowsPerThread * rg + i;
-    v[i] = row < a.rows ? __ldg(reinterpret_cast<const uint4*>(xb + row * a.x_row))
-                        : make_uint4(0, 0, 0, 0);  // padding rows count as zeros
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = row0 + kRowsPerThread * rg + i;
+      const int64_t local = local0 + kRowsPerThread * rg + i;
+      v[i] = make_uint4(0, 0, 0, 0);  // padding rows (the expert's and the matrix's): zeros
+      if (row < a.rows && local < count) {
+        const int64_t r = first + local;
+        const int64_t token = __ldg(&p.row_token[r]);
+        v[i] = __ldg(reinterpret_cast<const uint4*>(xb + token * a.x_row));
+        if (p.slot_weights != nullptr) {
+          v[i] = scale_bf16x8(v[i], __ldg(&p.slot_weights[__ldg(&p.row_slot[r])]));
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = row0 + kRowsPerThread * rg + i;
+      v[i] = row < a.rows ? __ldg(reinterpret_cast<const uint4*>(xb + row * a.x_row))
+                          : make_uint4(0, 0, 0, 0);  // padding rows count as zeros
+    }
   }
 
   uint32_t qlo[kRowsPerThread], qhi[kRowsPerThread];  // columns 0-3 and 4-7 of each row
@@ -272,6 +307,25 @@ void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t strea
       quantize_fp8_kernel<Fp8Blocks::kColumns128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
   }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSource& src,
+                                   cudaStream_t stream) {
+  if (a.batches != 1) fail("a gathered column quantization takes one matrix (batches = 1)");
+  if (src.num_experts < 1 || src.num_experts > INT_MAX) {
+    fail("src.num_experts must be in [1, 2^31)");
+  }
+  const unsigned grid = checked_grid(Fp8Blocks::kColumns128, a, false);
+  if (grid == 0) return;
+  // x's rows are tokens, any of which a padded row may name: its stride is always used.
+  if (a.x_row % 8) fail("row and batch strides must be multiples of 16 bytes");
+  if (!src.expert_offsets || !src.tile_offsets || !src.row_token ||
+      (src.slot_weights && !src.row_slot)) {
+    fail("null routing plan pointer in src");
+  }
+  quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>
+      <<<grid, kThreads, 0, stream>>>(a, row_tiles_of(a), a.cols / kTile, src);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

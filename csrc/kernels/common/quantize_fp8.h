@@ -60,4 +60,31 @@ struct Fp8RowDests {
 void quantize_fp8_to_rows(const Fp8QuantizeArgs& args, const Fp8RowDests& dests,
                           cudaStream_t stream);
 
+// The padded expert-sorted rows of a routing plan over a token matrix, as
+// gather_rows_padded (gather_padded.h) writes them: padded row p of expert e's tiles
+// (tile_offsets[e] * 128 <= p < tile_offsets[e + 1] * 128, local row i = p -
+// tile_offsets[e] * 128) is token row row_token[expert_offsets[e] + i] times
+// slot_weights[row_slot[expert_offsets[e] + i]] (rounded to bf16 as gather_rows_padded
+// rounds it; no multiply when slot_weights is null), or zeros for i >= the expert's count.
+// Device memory, unchecked: the plan's offsets as build_routing_plan writes them (block_m
+// 128), every row_token below the token matrix's rows.
+struct Fp8PaddedSource {
+  const int32_t* expert_offsets = nullptr;  // [E + 1]
+  const int32_t* tile_offsets = nullptr;    // [E + 1]
+  const int32_t* row_token = nullptr;
+  const int32_t* row_slot = nullptr;        // read only with slot_weights
+  const float* slot_weights = nullptr;      // null: the rows unscaled
+  int64_t num_experts = 0;
+};
+
+// kColumns128 of the padded rows `src` gives over the token matrix args.x (args.x_row its
+// row stride; args.rows = the padded rows, args.batches = 1): the bits of
+// gather_rows_padded into a bf16 buffer followed by quantize_fp8(kColumns128) of it,
+// without the buffer (each token row read straight from x). Row blocks from
+// tile_offsets[E] on (whose bf16 rows gather_rows_padded leaves untouched) are not
+// written: neither their columns of q_t nor their scales. A separate kernel instance, as
+// quantize_fp8_to_rows.
+void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& args, const Fp8PaddedSource& src,
+                                   cudaStream_t stream);
+
 }  // namespace megamoe
