@@ -105,6 +105,50 @@ void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
   quantize_fp8(Fp8Blocks::kColumns128, q, stream);
 }
 
+// MEGAMOE_FP8_UNFUSED_COLS set (and not "0"): the FP8 weight gradients' token-row operands
+// (p dy and x) are gathered into b.token_rows in bf16 (gather_rows_padded) and
+// column-quantized from there, instead of column-quantized straight from the token matrix
+// (quantize_fp8_columns_gathered). A diagnostic, for an A/B of the two on the GPU; the
+// bits are the same. Read on every call, as MEGAMOE_FP8_GATHER_A.
+bool fp8_unfused_columns() {
+  const char* v = std::getenv("MEGAMOE_FP8_UNFUSED_COLS");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
+// The padded rows of the plan over a token matrix (x, or dy scaled by the rows' slot
+// weights: p dy), [padded_rows, cols] as gather_rows_padded writes them, quantized into
+// the token-contiguous copy `out` without the bf16 copy (or, with fp8_unfused_columns(),
+// through it in `padded`). Column blocks from tile_offsets[E] on are written only by the
+// unfused path (from whatever `padded` holds there); the K-grouped GEMMs read none.
+void quantize_token_columns(const Rows& r, const __nv_bfloat16* tokens,
+                            const float* slot_weights, int64_t cols, int64_t padded_rows,
+                            __nv_bfloat16* padded, const Fp8Columns& out, cudaStream_t stream) {
+  if (fp8_unfused_columns()) {
+    gather_rows_padded(tokens, cols, r.plan, r.num_experts, slot_weights, padded_rows, padded,
+                       stream);
+    quantize_columns(padded, padded_rows, cols, out, stream);
+    return;
+  }
+  Fp8QuantizeArgs q;
+  q.x = tokens;
+  q.x_row = cols;
+  q.rows = padded_rows;
+  q.cols = cols;
+  q.q_t = reinterpret_cast<uint8_t*>(out.q);
+  q.t_row = padded_rows;
+  q.scales = out.scales;
+  q.s_0 = 1;
+  q.s_1 = cols;
+  Fp8PaddedSource src;
+  src.expert_offsets = r.plan.expert_offsets;
+  src.tile_offsets = r.plan.tile_offsets;
+  src.row_token = r.plan.row_token;
+  src.row_slot = r.plan.row_slot;
+  src.slot_weights = slot_weights;
+  src.num_experts = r.num_experts;
+  quantize_fp8_columns_gathered(q, src, stream);
+}
+
 // W [E, N, K] (scales [E, N/128, K/128]) as the B of an nt GEMM (B_e = W_e: the GEMM's n
 // is N, its k is K) or, transposed, of the GEMM that reads it N-major in bf16 (B_e = W_e^T
 // [K, N]: the GEMM's n-block j and k-block i are W's block (i, j)). The same scales either
@@ -270,20 +314,33 @@ void backward_wgrad(const Rows& rows, const Experts& w, const BackwardBuffers& b
                     const WeightGrad& d_w_gate_up, const WeightGrad& d_w_down,
                     cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate, E = rows.num_experts;
-  const auto wgrad = [&](const __nv_bfloat16* lhs, const __nv_bfloat16* rhs, int64_t m,
-                         int64_t n, const WeightGrad& g) {
-    if (w.fp8_backward()) {
-      // Scales per 128 tokens: quantized from the bf16 rows, not from a 1x128 copy.
-      quantize_columns(lhs, b.padded_rows, m, b.lhs_fp8, stream);
-      quantize_columns(rhs, b.padded_rows, n, b.rhs_fp8, stream);
+  if (w.fp8_backward()) {
+    // Scales per 128 tokens: quantized from the bf16 rows, not from a 1x128 copy; p dy and
+    // x straight from the token matrices (quantize_token_columns).
+    const auto gemm = [&](int64_t m, int64_t n, const WeightGrad& g) {
       sm90::KGroupedFp8GemmArgs args{b.lhs_fp8.q, b.lhs_fp8.scales, b.rhs_fp8.q,
                                      b.rhs_fp8.scales, b.padded_rows, m, n, E,
                                      rows.plan.tile_offsets};
       args.c = g.bf16;
       args.c_accumulate = g.f32;
       sm90::k_grouped_fp8_gemm_tn(args, stream);
-      return;
+    };
+    if (d_w_down.wanted()) {
+      quantize_token_columns(rows, rows.dy, rows.slot_weights, H, b.padded_rows, b.token_rows,
+                             b.lhs_fp8, stream);
+      quantize_columns(b.a, b.padded_rows, I, b.rhs_fp8, stream);
+      gemm(H, I, d_w_down);
     }
+    if (d_w_gate_up.wanted()) {
+      quantize_columns(b.dh, b.padded_rows, 2 * I, b.lhs_fp8, stream);
+      quantize_token_columns(rows, rows.x, nullptr, H, b.padded_rows, b.token_rows, b.rhs_fp8,
+                             stream);
+      gemm(2 * I, H, d_w_gate_up);
+    }
+    return;
+  }
+  const auto wgrad = [&](const __nv_bfloat16* lhs, const __nv_bfloat16* rhs, int64_t m,
+                         int64_t n, const WeightGrad& g) {
     sm90::KGroupedGemmArgs args{lhs, rhs, b.padded_rows, m, n, E, rows.plan.tile_offsets};
     args.c = g.bf16;
     args.c_accumulate = g.f32;

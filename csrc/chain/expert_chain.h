@@ -17,9 +17,12 @@
 // straight into the sorted rows (each token read and its scales computed once, its e4m3 row
 // written to every row it is routed to, so that the GEMMs read A by TMA: a gather producer
 // cannot feed FP8's k-block rate), the activation and dh as rows, and the weight gradients'
-// operands token-contiguous per 128 rows (quantize_fp8.h). MEGAMOE_FP8_GATHER_A=1 (read on
-// every call) quantizes x and dy as token matrices instead and gathers the GEMMs' A rows,
-// for an A/B of the two on the GPU: the same bits either way. The weights' FP8 copies are
+// operands token-contiguous per 128 rows (quantize_fp8.h), p dy and x among them straight
+// from the token matrices through the padded layout (no bf16 padded copy).
+// MEGAMOE_FP8_GATHER_A=1 (read on every call) quantizes x and dy as token matrices instead
+// and gathers the GEMMs' A rows, and MEGAMOE_FP8_UNFUSED_COLS=1 gathers p dy and x into
+// token_rows in bf16 before their column quantization, for A/Bs on the GPU: the same bits
+// either way. The weights' FP8 copies are
 // the caller's (quantized once per optimizer step).
 #pragma once
 
@@ -131,7 +134,8 @@ struct BackwardBuffers {
   float* dp_partial;        // [rows, dp_parts]
   // [padded_rows, H], used in stream order: the FP8 copies of x and dy (below), then the dx
   // rows ([rows, H]) until the caller has consumed them, then the p * dy rows of dW_down,
-  // then the x rows of dW_gate_up.
+  // then the x rows of dW_gate_up (FP8: only with MEGAMOE_FP8_UNFUSED_COLS, which is read
+  // per call, so the padded size stays).
   __nv_bfloat16* token_rows;
   int64_t padded_rows;
   int64_t dp_parts;         // partials of dp per row: one per N-tile of I

@@ -100,6 +100,34 @@ def test_sorted_fp8_rows_match_the_gathered_path(T, H, I, E, k, extra, precision
         assert torch.equal(g_sorted[name], g_gathered[name]), name
 
 
+UNFUSED_COLS_CASES = GATHER_A_CASES + [
+    (600, 256, 128, 4, 1, dict(skip_experts=(0, 1, 2))),  # every row on one expert, k = 1
+    (333, 128, 128, 16, 4, dict(one_expert=5)),  # one expert, the other slots dropped
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("T,H,I,E,k,extra", UNFUSED_COLS_CASES)
+def test_fused_fp8_columns_match_the_unfused_path(T, H, I, E, k, extra, precision, mode,
+                                                  monkeypatch):
+    """The weight gradients' p dy and x column-quantized straight from the token matrices
+    (the default) and MEGAMOE_FP8_UNFUSED_COLS=1 (gathered into padded bf16 rows first, then
+    column-quantized; read by the library on every call): the same values and scales into
+    the same GEMMs, so y and every gradient have the same bits."""
+    p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 37, **extra)
+    monkeypatch.delenv("MEGAMOE_FP8_UNFUSED_COLS", raising=False)
+    y_fused, g_fused = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                                      backward_mode=mode)
+    monkeypatch.setenv("MEGAMOE_FP8_UNFUSED_COLS", "1")
+    y_unfused, g_unfused = run_with_grads(megamoe.moe, p, backend="fused",
+                                          precision=precision, backward_mode=mode)
+    assert torch.isfinite(y_fused).all()
+    assert torch.equal(y_fused, y_unfused)
+    for name in g_fused:
+        assert torch.equal(g_fused[name], g_unfused[name]), name
+
+
 def test_weight_gradient_accumulators_add_the_same_gradients():
     p = make_problem(600, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=3)
     _, grads = run_with_grads(megamoe.moe, p, backend="fused", precision="fp8")
