@@ -89,9 +89,10 @@ void quantize_rows(const __nv_bfloat16* x, int64_t rows, int64_t cols, const Fp8
   }
 }
 
-// x [padded_rows, cols] bf16 -> the token-contiguous copy [cols, padded_rows].
-void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
-                      const Fp8Columns& out, cudaStream_t stream) {
+// The column quantization of [padded_rows, cols] bf16 rows (x's rows of `cols` elements)
+// into the token-contiguous copy `out` [cols, padded_rows].
+Fp8QuantizeArgs columns_args(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
+                             const Fp8Columns& out) {
   Fp8QuantizeArgs q;
   q.x = x;
   q.x_row = cols;
@@ -102,7 +103,13 @@ void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
   q.scales = out.scales;
   q.s_0 = 1;
   q.s_1 = cols;
-  quantize_fp8(Fp8Blocks::kColumns128, q, stream);
+  return q;
+}
+
+// x [padded_rows, cols] bf16 -> the token-contiguous copy [cols, padded_rows].
+void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
+                      const Fp8Columns& out, cudaStream_t stream) {
+  quantize_fp8(Fp8Blocks::kColumns128, columns_args(x, padded_rows, cols, out), stream);
 }
 
 // MEGAMOE_FP8_UNFUSED_COLS set (and not "0"): the FP8 weight gradients' token-row operands
@@ -129,16 +136,6 @@ void quantize_token_columns(const Rows& r, const __nv_bfloat16* tokens,
     quantize_columns(padded, padded_rows, cols, out, stream);
     return;
   }
-  Fp8QuantizeArgs q;
-  q.x = tokens;
-  q.x_row = cols;
-  q.rows = padded_rows;
-  q.cols = cols;
-  q.q_t = reinterpret_cast<uint8_t*>(out.q);
-  q.t_row = padded_rows;
-  q.scales = out.scales;
-  q.s_0 = 1;
-  q.s_1 = cols;
   Fp8PaddedSource src;
   src.expert_offsets = r.plan.expert_offsets;
   src.tile_offsets = r.plan.tile_offsets;
@@ -146,7 +143,7 @@ void quantize_token_columns(const Rows& r, const __nv_bfloat16* tokens,
   src.row_slot = r.plan.row_slot;
   src.slot_weights = slot_weights;
   src.num_experts = r.num_experts;
-  quantize_fp8_columns_gathered(q, src, stream);
+  quantize_fp8_columns_gathered(columns_args(tokens, padded_rows, cols, out), src, stream);
 }
 
 // W [E, N, K] (scales [E, N/128, K/128]) as the B of an nt GEMM (B_e = W_e: the GEMM's n
