@@ -31,8 +31,8 @@
 #   checktrain     megamoe-train-bench's config with every experts call checked against the
 #                  torch backend (tools/check_training_layers.py; CHECK_STEPS, default 70)
 #   ncu:P:MODEL    Nsight Compute (full set) of one fused forward of MODEL at precision P
-#   ncustall:P:MODEL  Nsight Compute's warp-stall and per-instruction (SASS) sections of the
-#                  same forward's GEMMs
+#   ncustall:P:MODEL  Nsight Compute's warp-state, scheduler and source-counter sections of
+#                  the same forward's GEMMs
 #   profstep:B:P   megamoe-train-bench's config for 12 steps with backend B at precision P,
 #                  step 10 profiled (log.profile_step: kernels and the allocator's counters);
 #                  PROFSTEP_ARGS: extra trainer overrides, PROFSTEP_TAG: a suffix for its logs

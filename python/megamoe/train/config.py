@@ -202,7 +202,9 @@ class LogConfig:
     peak_tflops: float = option(0.0, "the GPU's dense bf16 peak for MFU; 0 = the datasheet "
                                 "value of a known GPU (989 for H100/H200 SXM)", minimum=0.0)
     profile_step: int = option(0, "profile this step with torch.profiler and write its "
-                               "per-kernel table to profile-step<N>.txt in log.dir; 0 = off",
+                               "per-kernel table (on a GPU also a table by host time and the "
+                               "allocator's counters) to profile-step<N>.txt in log.dir; "
+                               "0 = off",
                                minimum=0)
 
 

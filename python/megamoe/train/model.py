@@ -281,7 +281,7 @@ def reshard_policy(config: Config, device: torch.device, world_size: int) -> tup
     on one GPU, 'default' reshards every layer for the fused FP8 experts. Their weight
     copies (W and W^T, as much memory as the bf16 experts) then take the room the gathered
     bf16 layers would hold from the forward to the backward; keeping both pushed the
-    caching allocator into retries (two per step at the benchmark's 11 layers, +200 ms;
+    caching allocator into retries (two per step at the benchmark's 11 layers, +170 ms;
     docs/training.md)."""
     policy = config.parallel.reshard_after_forward
     dispatch = config.model.moe.dispatch
