@@ -296,13 +296,13 @@ std::vector<int32_t> random_ids(int64_t T, int64_t k, int64_t E, int64_t empty,
   return ids;
 }
 
-}  // namespace
-
-TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGather) {
-  struct Case {
-    int64_t T, k, H, E, empty, drop_every;
-  };
-  const Case cases[] = {
+// Routings for the quantizers that write or read rows through a routing plan: random ids
+// over E experts but `empty`, every `drop_every`-th slot dropped (0: none).
+struct RoutingCase {
+  int64_t T, k, H, E, empty, drop_every;
+};
+std::vector<RoutingCase> routing_cases() {
+  return {
       {300, 8, 256, 16, 5, 0},    // tokens not a multiple of 128, an expert without rows
       {300, 8, 256, 16, -1, 7},   // dropped slots: the last sorted rows stay unwritten
       {1, 1, 128, 4, -1, 0},      // one token, k = 1
@@ -310,7 +310,12 @@ TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGather) {
       {257, 3, 128, 2, 1, 5},     // every row into one expert, some dropped
       {64, 4, 2048, 128, 7, 0},   // qwen3's H and E, few tokens
   };
-  for (const Case& c : cases) {
+}
+
+}  // namespace
+
+TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGather) {
+  for (const RoutingCase& c : routing_cases()) {
     const uint64_t seed = fresh_seed();
     std::mt19937_64 rng(seed);
     check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng), seed);
@@ -456,19 +461,9 @@ class QuantizeFp8GatheredColumns : public GpuTest {
 }  // namespace
 
 TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantize) {
-  struct Case {
-    int64_t T, k, H, E, empty, drop_every;
-  };
-  const Case cases[] = {
-      {300, 8, 256, 16, 5, 0},    // tokens not a multiple of 128, an expert without rows
-      {300, 8, 256, 16, -1, 7},   // dropped slots
-      {1, 1, 128, 4, -1, 0},      // one token, k = 1
-      {130, 1, 384, 8, 0, 0},     // k = 1, expert 0 empty
-      {257, 3, 128, 2, 1, 5},     // every row on one expert, some dropped
-      {1000, 2, 128, 1, -1, 0},   // one expert: 2000 rows, 16 tiles, the last partial
-      {64, 4, 2048, 128, 7, 0},   // qwen3's H and E, few tokens
-  };
-  for (const Case& c : cases) {
+  std::vector<RoutingCase> cases = routing_cases();
+  cases.push_back({1000, 2, 128, 1, -1, 0});  // one expert: 2000 rows, 16 tiles, the last partial
+  for (const RoutingCase& c : cases) {
     for (const bool weighted : {false, true}) {
       const uint64_t seed = fresh_seed();
       std::mt19937_64 rng(seed);

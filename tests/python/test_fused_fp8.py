@@ -88,16 +88,22 @@ def test_sorted_fp8_rows_match_the_gathered_path(T, H, I, E, k, extra, precision
     the library on every call): the same values and scales into the same GEMM arithmetic,
     so y and every gradient have the same bits."""
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 31, **extra)
-    monkeypatch.delenv("MEGAMOE_FP8_GATHER_A", raising=False)
-    y_sorted, g_sorted = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
-                                        backward_mode=mode)
-    monkeypatch.setenv("MEGAMOE_FP8_GATHER_A", "1")
-    y_gathered, g_gathered = run_with_grads(megamoe.moe, p, backend="fused",
+    _check_switch_keeps_the_bits(p, "MEGAMOE_FP8_GATHER_A", precision, mode, monkeypatch)
+
+
+def _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch):
+    """y and every gradient of problem p, without the library's diagnostic switch `variable`
+    and with it set to 1, are bitwise equal (and y finite)."""
+    monkeypatch.delenv(variable, raising=False)
+    y_default, g_default = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                                          backward_mode=mode)
+    monkeypatch.setenv(variable, "1")
+    y_switched, g_switched = run_with_grads(megamoe.moe, p, backend="fused",
                                             precision=precision, backward_mode=mode)
-    assert torch.isfinite(y_sorted).all()
-    assert torch.equal(y_sorted, y_gathered)
-    for name in g_sorted:
-        assert torch.equal(g_sorted[name], g_gathered[name]), name
+    assert torch.isfinite(y_default).all()
+    assert torch.equal(y_default, y_switched)
+    for name in g_default:
+        assert torch.equal(g_default[name], g_switched[name]), name
 
 
 UNFUSED_COLS_CASES = GATHER_A_CASES + [
@@ -116,17 +122,7 @@ def test_fused_fp8_columns_match_the_unfused_path(T, H, I, E, k, extra, precisio
     column-quantized; read by the library on every call): the same values and scales into
     the same GEMMs, so y and every gradient have the same bits."""
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 37, **extra)
-    monkeypatch.delenv("MEGAMOE_FP8_UNFUSED_COLS", raising=False)
-    y_fused, g_fused = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
-                                      backward_mode=mode)
-    monkeypatch.setenv("MEGAMOE_FP8_UNFUSED_COLS", "1")
-    y_unfused, g_unfused = run_with_grads(megamoe.moe, p, backend="fused",
-                                          precision=precision, backward_mode=mode)
-    assert torch.isfinite(y_fused).all()
-    assert torch.equal(y_fused, y_unfused)
-    for name in g_fused:
-        assert torch.equal(g_fused[name], g_unfused[name]), name
-
+    _check_switch_keeps_the_bits(p, "MEGAMOE_FP8_UNFUSED_COLS", precision, mode, monkeypatch)
 
 def test_weight_gradient_accumulators_add_the_same_gradients():
     p = make_problem(600, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=3)
