@@ -228,11 +228,13 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
   BackwardBuffers b{};
   b.padded_rows = padded_rows_bound(rows, num_experts);
   const bool fp8 = precision != Precision::kBf16;
-  b.dp_parts = fp8 ? sm90::fp8_swiglu_backward_dp_columns(I) : sm90::swiglu_backward_dp_columns(I);
+  // FP8: room for the narrow tiles' partials, whichever path the call then takes.
+  b.dp_parts = fp8 ? sm90::fp8_swiglu_backward_dp_columns(I, fp8_gather_a())
+                   : sm90::swiglu_backward_dp_columns(I);
   b.h = h_saved ? nullptr : carver.take<__nv_bfloat16>(rows * 2 * I);
   b.dh = carver.take<__nv_bfloat16>(b.padded_rows * 2 * I);
   b.a = carver.take<__nv_bfloat16>(b.padded_rows * I);
-  b.dp_partial = carver.take<float>(rows * b.dp_parts);
+  b.dp_partial = carver.take<float>(rows * (fp8 ? I / 128 : b.dp_parts));
   if (fp8) {
     b.token_rows =
         carve_shared_with_rows(carver, b.padded_rows * H, std::max(rows, tokens), H, b.dy_fp8);

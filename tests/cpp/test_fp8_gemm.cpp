@@ -190,18 +190,23 @@ TEST_P(Fp8StoreGpu, MatchesDequantizedProduct) {
   SEEDED(seed);
   std::mt19937_64 rng(seed);
   const HostGroups g(megamoe_test::awkward_counts());
-  const int64_t K = 640, N = 384, E = g.num_experts();  // 5 k-blocks, 3 N-tiles
-  const Fp8A a = make_fp8_a(g, p.a, K, 300, rng);
-  const Fp8B b = make_fp8_b(E, N, K, p.transposed_scales, rng);
-  const auto args = fp8_args(g, a, b, K, N, N, p.c);
-  megamoe::sm90::m_grouped_fp8_gemm_nt(args, stream_);
-  CUDA_OK(cudaGetLastError());
-  const std::vector<uint16_t> c = download_bf16(args.c.data, args.c.rows * N);
-  const std::vector<double> ref = megamoe_test::grouped_product(g, a.rows, b.values, K, N, false);
-  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(c, g, p.c, N), ref, "C"),
-            kFp8GemmBound);
-  if (p.c == RowLayout::kPadded) {
-    EXPECT_EQ(megamoe_test::bad_pad_elements(c, g, N, megamoe_test::is_poison), 0);
+  // 5 k-blocks; N = 384: three 128-wide tiles; N = 768: three 256-wide ones (each over two
+  // B scale blocks), except with a gathered A, which runs 128-wide.
+  for (const int64_t N : {384, 768}) {
+    SCOPED_TRACE("N = " + std::to_string(N));
+    const int64_t K = 640, E = g.num_experts();
+    const Fp8A a = make_fp8_a(g, p.a, K, 300, rng);
+    const Fp8B b = make_fp8_b(E, N, K, p.transposed_scales, rng);
+    const auto args = fp8_args(g, a, b, K, N, N, p.c);
+    megamoe::sm90::m_grouped_fp8_gemm_nt(args, stream_);
+    CUDA_OK(cudaGetLastError());
+    const std::vector<uint16_t> c = download_bf16(args.c.data, args.c.rows * N);
+    const std::vector<double> ref = megamoe_test::grouped_product(g, a.rows, b.values, K, N, false);
+    EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(c, g, p.c, N), ref, "C"),
+              kFp8GemmBound);
+    if (p.c == RowLayout::kPadded) {
+      EXPECT_EQ(megamoe_test::bad_pad_elements(c, g, N, megamoe_test::is_poison), 0);
+    }
   }
 }
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8StoreGpu, ::testing::ValuesIn(fp8_cases()), fp8_case_name);
@@ -214,7 +219,9 @@ TEST_P(Fp8SwiGLUGpu, MatchesDequantizedProduct) {
   SEEDED(seed);
   std::mt19937_64 rng(seed);
   const HostGroups g(megamoe_test::awkward_counts());
-  const int64_t H = 384, I = 256, E = g.num_experts();  // gate blocks 0, 0, 1, 1 per expert
+  // Gate blocks 0 and 1 per expert: two 256-wide tiles (128 gate, 128 up columns each), or
+  // with a gathered A four 128-wide ones (gate blocks 0, 0, 1, 1).
+  const int64_t H = 384, I = 256, E = g.num_experts();
   const Fp8A x = make_fp8_a(g, p.a, H, 300, rng);
   const Fp8B w = make_fp8_b(E, 2 * I, H, p.transposed_scales, rng);
   const auto args = fp8_args(g, x, w, H, I, I, p.c);
@@ -251,7 +258,9 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
   const megamoe_test::SwiGLUSlots slots = megamoe_test::random_swiglu_slots(g.rows, rng);
 
   const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
-  const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I);
+  // Two 256-wide N-tiles, or with a gathered A four 128-wide ones: a dp partial each.
+  const bool gathered = p.a == ALayout::kGathered;
+  const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I, gathered);
   const megamoe::sm90::SwiGLUGradArgs grads =
       swiglu_grads(h, slots, g.rows, dp_cols, poisoned_bf16(args.c.rows * I));
   float* dp = grads.dp_partial;
@@ -260,7 +269,7 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
 
   const std::vector<double> z = megamoe_test::grouped_product(g, dy.rows, w_t.values, H, I, false);
   const megamoe_test::SwiGLUBackwardReference ref =
-      megamoe_test::swiglu_backward_reference(z, hv, slots, g.rows, I, 128);
+      megamoe_test::swiglu_backward_reference(z, hv, slots, g.rows, I, I / dp_cols);
   const std::vector<double>&ref_dh = ref.dh, &ref_a = ref.a, &ref_dp = ref.dp;
   const std::vector<uint16_t> dh = download_bf16(args.c.data, args.c.rows * 2 * I);
   EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I), ref_dh, "dh"),
@@ -289,65 +298,69 @@ TEST_P(Fp8WeightGradGpu, MatchesDequantizedProduct) {
   SEEDED(seed);
   std::mt19937_64 rng(seed);
   const HostGroups g(megamoe_test::awkward_counts());
-  const int64_t M = 256, N = 384, E = g.num_experts(), P = g.padded_rows, PB = P / 128;
-  // a_t [M, P] and b_t [N, P] token-contiguous; scales [P / 128, M] and [P / 128, N].
-  Quantized a = random_quantized(M * P, PB * M, [&](int64_t i) { return (i % P) / 128 * M + i / P; },
-                                 rng, 1.0);
-  Quantized b = random_quantized(N * P, PB * N, [&](int64_t i) { return (i % P) / 128 * N + i / P; },
-                                 rng, 1.0 / 16);
-  // Pad rows (tokens) are zeros, as the quantizer writes them.
-  const std::vector<bool> used = g.padded_rows_used();
-  for (int64_t r = 0; r < P; ++r) {
-    if (used[r]) continue;
-    for (int64_t i = 0; i < M; ++i) a.q[i * P + r] = 0, a.values[i * P + r] = 0;
-    for (int64_t j = 0; j < N; ++j) b.q[j * P + r] = 0, b.values[j * P + r] = 0;
-  }
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<float> c0(E * M * N);
-  for (auto& v : c0) v = static_cast<float>(normal(rng));
+  const int64_t M = 256, E = g.num_experts(), P = g.padded_rows, PB = P / 128;
+  // N = 384: three 128-wide tiles; N = 512: two 256-wide ones.
+  for (const int64_t N : {384, 512}) {
+    SCOPED_TRACE("N = " + std::to_string(N));
+    // a_t [M, P] and b_t [N, P] token-contiguous; scales [P / 128, M] and [P / 128, N].
+    Quantized a = random_quantized(M * P, PB * M, [&](int64_t i) { return (i % P) / 128 * M + i / P; },
+                                   rng, 1.0);
+    Quantized b = random_quantized(N * P, PB * N, [&](int64_t i) { return (i % P) / 128 * N + i / P; },
+                                   rng, 1.0 / 16);
+    // Pad rows (tokens) are zeros, as the quantizer writes them.
+    const std::vector<bool> used = g.padded_rows_used();
+    for (int64_t r = 0; r < P; ++r) {
+      if (used[r]) continue;
+      for (int64_t i = 0; i < M; ++i) a.q[i * P + r] = 0, a.values[i * P + r] = 0;
+      for (int64_t j = 0; j < N; ++j) b.q[j * P + r] = 0, b.values[j * P + r] = 0;
+    }
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::vector<float> c0(E * M * N);
+    for (auto& v : c0) v = static_cast<float>(normal(rng));
 
-  megamoe::sm90::KGroupedFp8GemmArgs args;
-  args.a_t = reinterpret_cast<const __nv_fp8_e4m3*>(upload(a.q));
-  args.a_scales = upload(a.scales);
-  args.b_t = reinterpret_cast<const __nv_fp8_e4m3*>(upload(b.q));
-  args.b_scales = upload(b.scales);
-  args.padded_rows = P;
-  args.m = M;
-  args.n = N;
-  args.num_experts = E;
-  args.tile_offsets = upload(g.tiles);
-  if (accumulate) {
-    args.c_accumulate = upload(c0);
-  } else {
-    auto* c = alloc<uint16_t>(E * M * N);
-    CUDA_OK(cudaMemset(c, 0xFF, E * M * N * 2));
-    args.c = reinterpret_cast<__nv_bfloat16*>(c);
-  }
-  megamoe::sm90::k_grouped_fp8_gemm_tn(args, stream_);
-  CUDA_OK(cudaGetLastError());
+    megamoe::sm90::KGroupedFp8GemmArgs args;
+    args.a_t = reinterpret_cast<const __nv_fp8_e4m3*>(upload(a.q));
+    args.a_scales = upload(a.scales);
+    args.b_t = reinterpret_cast<const __nv_fp8_e4m3*>(upload(b.q));
+    args.b_scales = upload(b.scales);
+    args.padded_rows = P;
+    args.m = M;
+    args.n = N;
+    args.num_experts = E;
+    args.tile_offsets = upload(g.tiles);
+    if (accumulate) {
+      args.c_accumulate = upload(c0);
+    } else {
+      auto* c = alloc<uint16_t>(E * M * N);
+      CUDA_OK(cudaMemset(c, 0xFF, E * M * N * 2));
+      args.c = reinterpret_cast<__nv_bfloat16*>(c);
+    }
+    megamoe::sm90::k_grouped_fp8_gemm_tn(args, stream_);
+    CUDA_OK(cudaGetLastError());
 
-  std::vector<double> ref(E * M * N, 0.0);
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t i = 0; i < M; ++i) {
-      for (int64_t j = 0; j < N; ++j) {
-        double sum = 0;
-        for (int64_t r = int64_t(g.tiles[e]) * 128; r < int64_t(g.tiles[e + 1]) * 128; ++r) {
-          sum += a.values[i * P + r] * b.values[j * P + r];
+    std::vector<double> ref(E * M * N, 0.0);
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t j = 0; j < N; ++j) {
+          double sum = 0;
+          for (int64_t r = int64_t(g.tiles[e]) * 128; r < int64_t(g.tiles[e + 1]) * 128; ++r) {
+            sum += a.values[i * P + r] * b.values[j * P + r];
+          }
+          ref[(e * M + i) * N + j] = sum;
         }
-        ref[(e * M + i) * N + j] = sum;
       }
     }
-  }
-  if (accumulate) {
-    const std::vector<float> got = download(args.c_accumulate, E * M * N);
-    std::vector<double> delta(got.size());
-    for (size_t i = 0; i < got.size(); ++i) delta[i] = double(got[i]) - double(c0[i]);
-    const double err = megamoe_test::relative_error(delta, ref);
-    std::printf("fp32 dW: error %.3e\n", err);
-    EXPECT_LT(err, kFp8GemmBound);
-  } else {
-    const std::vector<double> got = megamoe_test::bf16_values(download(reinterpret_cast<const uint16_t*>(args.c), E * M * N));
-    EXPECT_LT(error_beyond_rounding(got, ref, "bf16 dW"), kFp8GemmBound);
+    if (accumulate) {
+      const std::vector<float> got = download(args.c_accumulate, E * M * N);
+      std::vector<double> delta(got.size());
+      for (size_t i = 0; i < got.size(); ++i) delta[i] = double(got[i]) - double(c0[i]);
+      const double err = megamoe_test::relative_error(delta, ref);
+      std::printf("fp32 dW: error %.3e\n", err);
+      EXPECT_LT(err, kFp8GemmBound);
+    } else {
+      const std::vector<double> got = megamoe_test::bf16_values(download(reinterpret_cast<const uint16_t*>(args.c), E * M * N));
+      EXPECT_LT(error_beyond_rounding(got, ref, "bf16 dW"), kFp8GemmBound);
+    }
   }
 }
 INSTANTIATE_TEST_SUITE_P(Outputs, Fp8WeightGradGpu, ::testing::Bool(),

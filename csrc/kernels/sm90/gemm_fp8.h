@@ -3,6 +3,7 @@
 // block scales (the DeepSeek-V3 recipe; megamoe/fp8.py is its reference). FP8 wgmma reads
 // both operands K-major, so every B is stored [n, k] (a weight's transposed copy where the
 // bf16 GEMM reads it N-major) and the weight gradients' operands token-contiguous. Tiles are
+// kGemmBlockM x 256 where N allows (a multiple of 256 output columns, A not gathered), else
 // kGemmBlockM x 128; K is a multiple of 128 (one scale block).
 #pragma once
 
@@ -58,10 +59,12 @@ void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& args, __nv_bfloat16
 
 // The dgrad of L2 with the SwiGLU backward, as m_grouped_gemm_nn_swiglu_backward, with
 // b = W_down^T [E * I, H] (k = H, n = I, a multiple of 128) and dp_partial
-// [groups.rows, fp8_swiglu_backward_dp_columns(I)].
+// [groups.rows, fp8_swiglu_backward_dp_columns(I, A gathered)]: one partial per N-tile, and
+// the tiles are 256-wide when I allows and A comes by TMA, else 128-wide (I / 128 partials,
+// the most there can be).
 void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& args,
                                            const SwiGLUGradArgs& grads, cudaStream_t stream);
-int64_t fp8_swiglu_backward_dp_columns(int64_t n);
+int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered);
 
 // The weight gradient C[e * m + i, j] = sum_r a[r, i] * b[r, j] over expert e's padded rows,
 // from token-contiguous copies with a scale per column and 128 rows:

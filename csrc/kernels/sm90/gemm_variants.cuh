@@ -15,6 +15,13 @@
 #include "kernels/sm90/operand_gathered.cuh"
 #include "kernels/sm90/operand_tma.cuh"
 
+// Wider tiles halve the shared-memory traffic per MMA; 128-wide ones cover the other sizes.
+// (The bf16 m_grouped_gemm_nt and _nt_swiglu and the M-grouped FP8 GEMMs; a build with 128
+// measures the narrow tiles alone.)
+#ifndef MEGAMOE_GEMM_MAX_BLOCK_N
+#define MEGAMOE_GEMM_MAX_BLOCK_N 256
+#endif
+
 namespace megamoe::sm90 {
 
 // M-grouped: A by TMA or gathered, B by TMA in the mainloop's major order, with the B tile
@@ -45,18 +52,23 @@ template <int kBlockN>
 using KGroupedGemmTn =
     KGroupedGemm<MainloopBf16<kBlockN, Major::kMN, Major::kMN>, WeightGradEpilogue<kBlockN>>;
 
-// Blockwise FP8 (gemm_fp8.h): 128-wide tiles, B K-major; weights scaled per 128 x 128 block,
-// the weight gradients' B per row like A.
-using WeightScales = MainloopFp8<BScales::kBlocks128>;
-template <bool kGathered>
-using MGroupedFp8GemmNt = MGroupedGemm<WeightScales, kGathered, StoreEpilogue<128>>;
-template <bool kGathered>
+// Blockwise FP8 (gemm_fp8.h): B K-major, weights scaled per 128 x 128 block. 256-wide tiles
+// where N allows and A comes by TMA (the gathering producer needs more registers than the
+// wide consumers leave it), 128-wide otherwise; the weight gradients' B scaled per row like
+// A.
+template <int kBlockN, BColumns kColumns = BColumns::kContiguous>
+using WeightScales = MainloopFp8<BScales::kBlocks128, kColumns, kBlockN>;
+template <int kBlockN, bool kGathered>
+using MGroupedFp8GemmNt = MGroupedGemm<WeightScales<kBlockN>, kGathered, StoreEpilogue<kBlockN>>;
+template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLU =
-    MGroupedGemm<MainloopFp8<BScales::kBlocks128, BColumns::kGateUpHalves>, kGathered,
-                 SwiGLUSavedHEpilogue<128>>;
-template <bool kGathered>
+    MGroupedGemm<WeightScales<kBlockN, BColumns::kGateUpHalves>, kGathered,
+                 SwiGLUSavedHEpilogue<kBlockN>>;
+template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLUBackward =
-    MGroupedGemm<WeightScales, kGathered, SwiGLUBackwardEpilogue<128>>;
-using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows>, WeightGradEpilogue<128>>;
+    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
+template <int kBlockN>
+using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows, BColumns::kContiguous, kBlockN>,
+                                       WeightGradEpilogue<kBlockN>>;
 
 }  // namespace megamoe::sm90

@@ -1,5 +1,6 @@
 // k_grouped_fp8_gemm_tn: the blockwise-FP8 weight gradients (gemm_fp8.h).
 #include <cstdint>
+#include <type_traits>
 
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
@@ -10,7 +11,7 @@ namespace megamoe::sm90 {
 namespace {
 
 [[maybe_unused]] const bool kPreloadable =
-    register_kernel_module(&grouped_gemm_kernel<KGroupedFp8GemmTn>);
+    register_kernel_module(&grouped_gemm_kernel<KGroupedFp8GemmTn<256>>);
 
 bool misaligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; }
 
@@ -32,14 +33,22 @@ void k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& w, cudaStream_t stream) {
     throw_invalid("k_grouped_fp8_gemm_tn: operands and scales must be 16-byte aligned");
   }
   if (w.padded_rows == 0 || w.num_experts == 0) return;
-  using Gemm = KGroupedFp8GemmTn;
-  typename Gemm::Params p{};
-  p.scheduler = Gemm::Scheduler::k_grouped(w.tile_offsets, w.num_experts, w.m, w.n / 128);
-  p.a = Gemm::ALoad::params(w.a_t, w.m, w.padded_rows, false, w.a_scales, w.m);
-  p.b = Gemm::BLoad::params(w.b_t, w.n, w.padded_rows, 0, 0, w.b_scales);
-  p.mainloop = {};
-  p.epilogue = Gemm::Epilogue::params(w.c, w.c_accumulate, w.num_experts * w.m, w.n);
-  launch_grouped_gemm<Gemm>(p, Gemm::Scheduler::max_tiles(p.scheduler, 0), stream);
+  // 256-wide tiles where N allows (gemm_variants.cuh).
+  const auto run = [&](auto block_n) {
+    using Gemm = KGroupedFp8GemmTn<decltype(block_n)::value>;
+    typename Gemm::Params p{};
+    p.scheduler = Gemm::Scheduler::k_grouped(w.tile_offsets, w.num_experts, w.m, w.n / block_n);
+    p.a = Gemm::ALoad::params(w.a_t, w.m, w.padded_rows, false, w.a_scales, w.m);
+    p.b = Gemm::BLoad::params(w.b_t, w.n, w.padded_rows, 0, 0, w.b_scales);
+    p.mainloop = {};
+    p.epilogue = Gemm::Epilogue::params(w.c, w.c_accumulate, w.num_experts * w.m, w.n);
+    launch_grouped_gemm<Gemm>(p, Gemm::Scheduler::max_tiles(p.scheduler, 0), stream);
+  };
+  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && w.n % 256 == 0) {
+    run(std::integral_constant<int, 256>{});
+  } else {
+    run(std::integral_constant<int, 128>{});
+  }
 }
 
 }  // namespace megamoe::sm90

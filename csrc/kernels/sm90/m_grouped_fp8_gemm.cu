@@ -54,14 +54,26 @@ void launch(const MGroupedFp8GemmArgs& a, const typename Gemm::BLoad::Params& b,
   launch_grouped_gemm<Gemm>(p, Gemm::Scheduler::max_tiles(p.scheduler, a.groups.rows), stream);
 }
 
-// Calls run(std::bool_constant<gathered>{}).
+// Calls run(std::integral_constant<int, kBlockN>{}, std::bool_constant<gathered>{}): 256-wide
+// tiles if `wide` and A comes by TMA, else 128-wide (gemm_variants.cuh).
 template <class Run>
-void dispatch(const MGroupedFp8GemmArgs& a, Run&& run) {
-  a.a.gather != nullptr ? run(std::true_type{}) : run(std::false_type{});
+void dispatch(const MGroupedFp8GemmArgs& a, bool wide, Run&& run) {
+  using N128 = std::integral_constant<int, 128>;
+  using N256 = std::integral_constant<int, 256>;
+  if (a.a.gather != nullptr) {
+    run(N128{}, std::true_type{});
+  } else {
+    wide ? run(N256{}, std::false_type{}) : run(N128{}, std::false_type{});
+  }
+}
+
+// N in 256-wide tiles: a multiple of 256 output columns (not for a gathered A).
+bool wide_n(bool gathered, int64_t n) {
+  return MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && !gathered && n % 256 == 0;
 }
 
 [[maybe_unused]] const bool kPreloadable =
-    register_kernel_module(&grouped_gemm_kernel<MGroupedFp8GemmNt<false>>);
+    register_kernel_module(&grouped_gemm_kernel<MGroupedFp8GemmNt<256, false>>);
 
 }  // namespace
 
@@ -70,12 +82,12 @@ void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& a, cudaStream_t stream) {
   if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": N must be a positive multiple of 128");
   check_fp8(a, name);
   if (a.groups.rows == 0) return;
-  dispatch(a, [&](auto gathered) {
-    using Gemm = MGroupedFp8GemmNt<decltype(gathered)::value>;
+  dispatch(a, wide_n(a.a.gather != nullptr, a.n), [&](auto block_n, auto gathered) {
+    using Gemm = MGroupedFp8GemmNt<decltype(block_n)::value, decltype(gathered)::value>;
     const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
     const auto epilogue = Gemm::Epilogue::params(a.c.data, a.c.rows, a.c.ld,
                                                  a.c.layout == RowLayout::kPadded);
-    launch<Gemm>(a, b, a.n / 128, 0, epilogue, stream);
+    launch<Gemm>(a, b, a.n / block_n, 0, epilogue, stream);
   });
 }
 
@@ -86,13 +98,14 @@ void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h
   if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": I (n) must be a positive multiple of 128");
   check_fp8(a, name);
   if (a.groups.rows == 0) return;
-  dispatch(a, [&](auto gathered) {
-    using Gemm = MGroupedFp8GemmNtSwiGLU<decltype(gathered)::value>;
+  // A 256-wide tile holds 128 gate and 128 up columns: I a multiple of 128 is enough.
+  dispatch(a, wide_n(a.a.gather != nullptr, 2 * a.n), [&](auto block_n, auto gathered) {
+    using Gemm = MGroupedFp8GemmNtSwiGLU<decltype(block_n)::value, decltype(gathered)::value>;
     using Epilogue = typename Gemm::Epilogue;
     const auto b =
         Gemm::BLoad::params(a.b.data, a.groups.num_experts * 2 * a.n, a.k, 2 * a.n, a.n);
-    const auto out = SwiGLUEpilogue<128>::params(a.c.data, a.c.rows, a.c.ld,
-                                                 a.c.layout == RowLayout::kPadded);
+    const auto out = SwiGLUEpilogue<decltype(block_n)::value>::params(
+        a.c.data, a.c.rows, a.c.ld, a.c.layout == RowLayout::kPadded);
     launch<Gemm>(a, b, a.n / Epilogue::kOutCols, a.n / 128,
                  Epilogue::params(out, h, a.c.rows, a.n), stream);
   });
@@ -108,16 +121,18 @@ void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const S
   if (a.c.ld != 2 * a.n) throw_invalid(name + ": dh (C) must have ld = 2I (2n)");
   check_fp8(a, name);
   if (a.groups.rows == 0) return;
-  dispatch(a, [&](auto gathered) {
-    using Gemm = MGroupedFp8GemmNtSwiGLUBackward<decltype(gathered)::value>;
+  dispatch(a, wide_n(a.a.gather != nullptr, a.n), [&](auto block_n, auto gathered) {
+    using Gemm = MGroupedFp8GemmNtSwiGLUBackward<decltype(block_n)::value, decltype(gathered)::value>;
     const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
     const auto epilogue = Gemm::Epilogue::params(
         g.h, a.groups.rows, a.c.data, g.a_out, a.c.rows, a.c.layout == RowLayout::kPadded,
         g.slot_weights, g.row_slot, g.dp_partial, a.n);
-    launch<Gemm>(a, b, a.n / 128, 0, epilogue, stream);
+    launch<Gemm>(a, b, a.n / block_n, 0, epilogue, stream);
   });
 }
 
-int64_t fp8_swiglu_backward_dp_columns(int64_t n) { return n / 128; }
+int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered) {
+  return n / (wide_n(gathered, n) ? 256 : 128);
+}
 
 }  // namespace megamoe::sm90

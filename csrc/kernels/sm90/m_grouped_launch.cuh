@@ -10,12 +10,6 @@
 #include "kernels/sm90/gemm.h"
 #include "kernels/sm90/gemm_variants.cuh"
 
-// Wider tiles halve the shared-memory traffic per MMA; 128-wide ones cover the other sizes.
-// (m_grouped_gemm_nt and _nt_swiglu; a build with 128 measures the narrow tiles alone.)
-#ifndef MEGAMOE_GEMM_MAX_BLOCK_N
-#define MEGAMOE_GEMM_MAX_BLOCK_N 256
-#endif
-
 namespace megamoe::sm90 {
 
 static_assert(kGemmBlockM == kBlockM);

@@ -1,15 +1,19 @@
 // The blockwise-FP8 wgmma mainloop of the grouped GEMM (the DeepSeek-V3 recipe): e4m3 A and
 // B, both K-major, with fp32 scales per 128 of K. A has one scale per row and k-block (1x128
 // blocks), brought into each stage by the A loader. B has either one scale per 128 x 128
-// block of the expert's weight (kBlocks128; read from global memory, one or two scalars per
-// k-block), or one per row and k-block like A (kRows: the weight gradients, whose B is an
-// activation; brought into the stage by the B loader).
+// block of the expert's weight (kBlocks128; read from global memory, one scalar per k-block
+// and 128 columns of the tile), or one per row and k-block like A (kRows: the weight
+// gradients, whose B is an activation; brought into the stage by the B loader).
 //
 // Hopper's FP8 wgmma keeps fewer bits than fp32 while it accumulates, so each k-block's
-// partial products (four m64n128k32 MMAs) go into scratch accumulators, which are then
-// scaled and added into the fp32 sums the epilogue receives: sum += partial * sa * sb.
-// The warpgroup waits for its MMAs before that promotion; the other consumer warpgroup's
-// MMAs keep the tensor cores busy meanwhile.
+// partial products go into scratch accumulators, which are then scaled and added into the
+// fp32 sums the epilogue receives: sum += partial * sa * sb. The warpgroup waits for its MMAs
+// before that promotion; the other consumer warpgroup's MMAs keep the tensor cores busy
+// meanwhile. The scratch holds 128 columns (four m64n128k32 MMAs per k-block): a 256-wide
+// tile runs and promotes its two 128-column halves in turn, so its sums (128 per thread)
+// and one scratch (64) fit the consumers' registers. The wide tile moves 48 bytes of A and B
+// per 128 x 256 x 128 MMA block instead of 64 per two 128 x 128 ones: less L2 and
+// shared-memory traffic per FLOP, which is what limits the narrow tile at the FP8 rate.
 //
 // Same members as MainloopBf16 (see there), plus kScaled / kBRowScales for the loaders and
 // kConsumerArrivals: every warp reads the stage's scales, so each warp releases the stage.
@@ -18,6 +22,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/sm90/epilogue_common.cuh"
 #include "kernels/sm90/gemm_common.cuh"
@@ -26,14 +31,14 @@ namespace megamoe::sm90 {
 
 enum class BScales { kBlocks128, kRows };
 
-template <BScales kBScales_, BColumns kBColumns_ = BColumns::kContiguous>
+template <BScales kBScales_, BColumns kBColumns_ = BColumns::kContiguous, int kBlockN_ = 128>
 struct MainloopFp8 {
   using Element = __nv_fp8_e4m3;
   static constexpr BScales kBScales = kBScales_;
   static constexpr BColumns kBColumns = kBColumns_;
-  // 128 columns: the promotion doubles the accumulator registers, and 2 x 128 of a 256-wide
-  // tile would not fit the consumers' 224.
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kHalves = kBlockN / 128;  // 128-column MMA groups, each promoted alone
+  static_assert(kBlockN == 128 || kBlockN == 256);
   static constexpr Major kAMajor = Major::kK;
   static constexpr Major kBMajor = Major::kK;
   static constexpr int kBlockK = 128;  // one scale block; 128 bytes of a row
@@ -49,11 +54,14 @@ struct MainloopFp8 {
   static constexpr int kStageBytes =
       kTileBytesA + kTileBytesB + int(sizeof(float)) * (kAScaleSlots + kBRowScaleSlots);
   static constexpr int kAccumulators = kBlockN / 2;
+  static constexpr int kPartials = 64;  // one 128-column group's scratch
   static constexpr int kExtraTmaBytes = 0;
   static constexpr int kConsumerArrivals = 4;
-  // 128 accumulators per consumer thread (sums and partials) leave room to give the
-  // producer more: its row gather also copies the rows' scales.
-  using Registers = RegisterSplit<72, 216>;
+  // Narrow: 128 accumulators per consumer thread (sums and scratch) leave room to give the
+  // producer more (its row gather also copies the rows' scales). Wide: 192 (128 sums, 64
+  // scratch); its A comes by TMA, so the producer's one thread needs few.
+  using Registers =
+      std::conditional_t<kBlockN == 128, RegisterSplit<72, 216>, RegisterSplit<40, 232>>;
   static_assert(kBColumns == BColumns::kContiguous || kBScales == BScales::kBlocks128);
 
   // kBlocks128: the scale of expert e's block (i, j) (B rows 128i.., K 128j..) at
@@ -90,73 +98,115 @@ struct MainloopFp8 {
                                       float (&sum)[kAccumulators], int consumer) const {
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) sum[i] = 0.f;
-    // This tile's B scale rows: the gate and up halves' blocks, or the one block.
+    // The B scale rows of the tile's 128-column groups. Gate-up tiles: group 0 of a wide tile
+    // (the first half of a narrow one) is gate rows, the other up rows of the same block.
     const float* b_scales = b_scales_ + t.expert * s_expert_;
-    const int gate_block = kBColumns == BColumns::kGateUpHalves ? t.n_tile / 2 : t.n_tile;
-    const float* b_first = b_scales + gate_block * s_n_;
-    const float* b_second =
-        kBColumns == BColumns::kGateUpHalves ? b_scales + (up_block_ + gate_block) * s_n_ : b_first;
+    const float* b_rows[2];
+    if constexpr (kBColumns == BColumns::kGateUpHalves) {
+      const int gate_block = t.n_tile * (kBlockN / 2) / 128;
+      b_rows[0] = b_scales + gate_block * s_n_;
+      b_rows[1] = b_scales + (up_block_ + gate_block) * s_n_;
+    } else {
+      b_rows[0] = b_scales + t.n_tile * kHalves * s_n_;
+      b_rows[1] = b_rows[0] + (kHalves - 1) * s_n_;
+    }
     const int row = Fragment::row0();
     const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
     const bool warp_leader = threadIdx.x % 32 == 0;
-    float partial[kAccumulators];
+    float partial[kPartials];
     for (int kb = 0; kb < t.k_blocks; ++kb) {
-      float sb0 = 1.f, sb1 = 1.f;
+      float sb[2] = {1.f, 1.f};
       if constexpr (!kBRowScales) {
-        sb0 = __ldg(b_first + kb * s_k_);
-        sb1 = kBColumns == BColumns::kGateUpHalves ? __ldg(b_second + kb * s_k_) : sb0;
+        sb[0] = __ldg(b_rows[0] + kb * s_k_);
+        sb[1] = __ldg(b_rows[1] + kb * s_k_);
       }
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       if constexpr (kGenericProxyA) fence_proxy_async_shared();
       const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + consumer * 64 * kBlockK);
       const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]);
-#pragma unroll
-      for (int i = 0; i < kAccumulators; ++i) fence_operand(partial[i]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 32; ++kk) {
-        // 32 bytes along K per MMA: 2 descriptor units of 16 bytes.
-        wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + 2 * kk, kk > 0 ? 1 : 0);
-      }
-      wgmma_commit();
       const float* a_scales = tiles.a_scales[state.stage] + a_offset + consumer * 64;
-      const float sa[2] = {a_scales[row], a_scales[row + 8]};
-      wgmma_wait<0>();
+      float sa[2];
 #pragma unroll
-      for (int i = 0; i < kAccumulators; ++i) fence_operand(partial[i]);
-      if constexpr (kBRowScales) {
-        const float* b_row_scales = tiles.b_scales[state.stage] + Fragment::col0();
+      for (int g = 0; g < kHalves; ++g) {
 #pragma unroll
-        for (int q = 0; q < kBlockN / 8; ++q) {
-          const float2 sb = *reinterpret_cast<const float2*>(b_row_scales + q * 8);
+        for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
+        wgmma_fence();
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = Fragment::index(q, half, 0);
-            sum[i] = fmaf(partial[i], sa[half] * sb.x, sum[i]);
-            sum[i + 1] = fmaf(partial[i + 1], sa[half] * sb.y, sum[i + 1]);
-          }
+        for (int kk = 0; kk < kBlockK / 32; ++kk) {
+          // 32 bytes along K per MMA: 2 descriptor units of 16 bytes; group g's B rows start
+          // 128 rows (16 KB, 1024 units) in.
+          wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
         }
-      } else {
-        const float scale[2][2] = {{sa[0] * sb0, sa[0] * sb1}, {sa[1] * sb0, sa[1] * sb1}};
+        wgmma_commit();
+        if (g == 0) {
+          sa[0] = a_scales[row];
+          sa[1] = a_scales[row + 8];
+        }
+        wgmma_wait<0>();
 #pragma unroll
-        for (int q = 0; q < kBlockN / 8; ++q) {
-          // The second half of a gate-up tile's columns are the up rows'.
-          const int b_half = q < kBlockN / 16 ? 0 : 1;
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int i = Fragment::index(q, half, j);
-              sum[i] = fmaf(partial[i], scale[half][b_half], sum[i]);
-            }
-          }
+        for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
+        // Block scales: after the last group's MMAs the warp has read all of the stage it
+        // needs (its A scales are in registers), so the stage goes back before the last
+        // promotion.
+        if constexpr (!kBRowScales) {
+          if (g == kHalves - 1) release(pipe, state, warp_leader);
+        }
+        // A narrow gate-up tile's group is 64 gate and 64 up columns, each with its block.
+        if constexpr (kHalves == 2) {
+          promote(tiles, state, g, partial, sum, sa, sb[g], sb[g]);
+        } else {
+          promote(tiles, state, g, partial, sum, sa, sb[0], sb[1]);
         }
       }
-      // The warp's reads of the stage (MMAs and scales) are done once its values are used.
-      __syncwarp();
-      if (warp_leader) mbarrier_arrive(&pipe.empty[state.stage]);
+      if constexpr (kBRowScales) release(pipe, state, warp_leader);
       state.advance();
     }
+  }
+
+  // sum[group g's columns] += partial * sa * sb: B's scale per row (the stage's) or one
+  // per 128 x 128 block (sb_lo for the group's first 64 columns, sb_hi for the others).
+  template <int kStages>
+  __device__ __forceinline__ static void promote(const Tiles<kStages>& tiles,
+                                                 const PipelineState<kStages>& state, int g,
+                                                 const float (&partial)[kPartials],
+                                                 float (&sum)[kAccumulators], const float (&sa)[2],
+                                                 float sb_lo, float sb_hi) {
+    const int group = g * kPartials;  // g is a constant once the caller's loop unrolls
+    if constexpr (kBRowScales) {
+      const float* b_row_scales = tiles.b_scales[state.stage] + group + Fragment::col0();
+#pragma unroll
+      for (int q = 0; q < 128 / 8; ++q) {
+        const float2 sbq = *reinterpret_cast<const float2*>(b_row_scales + q * 8);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = Fragment::index(q, half, 0);
+          sum[group + i] = fmaf(partial[i], sa[half] * sbq.x, sum[group + i]);
+          sum[group + i + 1] = fmaf(partial[i + 1], sa[half] * sbq.y, sum[group + i + 1]);
+        }
+      }
+    } else {
+      const float scale[2][2] = {{sa[0] * sb_lo, sa[1] * sb_lo}, {sa[0] * sb_hi, sa[1] * sb_hi}};
+#pragma unroll
+      for (int q = 0; q < 128 / 8; ++q) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int i = Fragment::index(q, half, j);
+            sum[group + i] = fmaf(partial[i], scale[q < 8 ? 0 : 1][half], sum[group + i]);
+          }
+        }
+      }
+    }
+  }
+
+  // The warp's reads of the stage are done: its leader's arrival (one of kConsumerArrivals).
+  template <int kStages>
+  __device__ __forceinline__ static void release(Pipeline<kStages>& pipe,
+                                                 const PipelineState<kStages>& state,
+                                                 bool warp_leader) {
+    __syncwarp();
+    if (warp_leader) mbarrier_arrive(&pipe.empty[state.stage]);
   }
 
  private:
