@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -13,9 +14,9 @@ namespace {
 constexpr int kMaxDevices = 64;
 // 0: not read yet. Two threads reading it at once both store the same value.
 std::atomic<int> cached[kMaxDevices];
-}  // namespace
+thread_local int limit = 0;  // 0: none
 
-int sm_count() {
+int device_sm_count() {
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   if (device < 0 || device >= kMaxDevices) {
@@ -30,5 +31,19 @@ int sm_count() {
   }
   return sms;
 }
+
+}  // namespace
+
+int sm_count() {
+  const int sms = device_sm_count();
+  return limit > 0 && limit < sms ? limit : sms;
+}
+
+SmLimit::SmLimit(int sms) : previous_(limit) {
+  if (sms < 1) throw_invalid("SmLimit: sms: expected >= 1, got " + std::to_string(sms));
+  limit = sms;
+}
+
+SmLimit::~SmLimit() { limit = previous_; }
 
 }  // namespace megamoe
