@@ -173,7 +173,7 @@ struct MainloopFp8 {
                                                  float sb_lo, float sb_hi) {
     const int group = g * kPartials;  // g is a constant once the caller's loop unrolls
     if constexpr (kBRowScales) {
-      const float* b_row_scales = tiles.b_scales[state.stage] + group + Fragment::col0();
+      const float* b_row_scales = tiles.b_scales[state.stage] + g * 128 + Fragment::col0();
 #pragma unroll
       for (int q = 0; q < 128 / 8; ++q) {
         const float2 sbq = *reinterpret_cast<const float2*>(b_row_scales + q * 8);
