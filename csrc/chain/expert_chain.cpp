@@ -158,8 +158,10 @@ sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t N, int64_t K, bool transposed)
 
 // MEGAMOE_FP8_GATHER_A set (and not "0"): the FP8 GEMMs on x and dy gather their A rows
 // from a token-matrix copy (the producer's cp.async) instead of reading the sorted copy by
-// TMA. A diagnostic, for an A/B of the two paths on the GPU; the bits are the same. Read
-// on every call (one getenv) so that a test can compare both in one process.
+// TMA. A diagnostic, for an A/B of the two paths on the GPU: the same bits, but for
+// d topk_weights (the gathering GEMMs run 128-wide tiles, and the L2 dgrad's dp sums one
+// partial per N-tile). Read on every call (one getenv) so that a test can compare both in
+// one process.
 bool fp8_gather_a() {
   const char* v = std::getenv("MEGAMOE_FP8_GATHER_A");
   return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
@@ -169,8 +171,8 @@ bool fp8_gather_a() {
 // quantized into `out` (at least max(rows, tokens) rows): by default every token's row and
 // scales at each sorted row the plan routes it to (slot_row), read by TMA; with
 // fp8_gather_a() the token matrix, gathered by the GEMM's producer. A row's values and
-// scales do not depend on where they are written, and the mainloop's arithmetic not on how
-// A arrives: the GEMMs give the same bits either way.
+// scales do not depend on where they are written, and the mainloop's arithmetic per output
+// not on how A arrives or on the tile width: each output has the same bits either way.
 sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens, int64_t cols,
                                   const Fp8Rows& out, cudaStream_t stream) {
   if (fp8_gather_a()) {

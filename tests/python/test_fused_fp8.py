@@ -86,14 +86,18 @@ def test_sorted_fp8_rows_match_the_gathered_path(T, H, I, E, k, extra, precision
     """x and dy quantized straight into the sorted rows (A by TMA, the default) and
     MEGAMOE_FP8_GATHER_A=1 (token matrices, A rows gathered by the GEMMs' producer; read by
     the library on every call): the same values and scales into the same GEMM arithmetic,
-    so y and every gradient have the same bits."""
+    so y and every gradient but d topk_weights have the same bits. The gathered GEMMs run
+    128-wide tiles, the default 256-wide ones where I allows, and d topk_weights sums one
+    fp32 partial per N-tile of the L2 dgrad: the same terms, grouped differently."""
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 31, **extra)
-    _check_switch_keeps_the_bits(p, "MEGAMOE_FP8_GATHER_A", precision, mode, monkeypatch)
+    _check_switch_keeps_the_bits(p, "MEGAMOE_FP8_GATHER_A", precision, mode, monkeypatch,
+                                 regrouped=("topk_weights",))
 
 
-def _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch):
+def _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch, regrouped=()):
     """y and every gradient of problem p, without the library's diagnostic switch `variable`
-    and with it set to 1, are bitwise equal (and y finite)."""
+    and with it set to 1, are bitwise equal (and y finite); those in `regrouped` (fp32 sums
+    of the same terms in another grouping) to fp32 rounding."""
     monkeypatch.delenv(variable, raising=False)
     y_default, g_default = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
                                           backward_mode=mode)
@@ -103,7 +107,10 @@ def _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch):
     assert torch.isfinite(y_default).all()
     assert torch.equal(y_default, y_switched)
     for name in g_default:
-        assert torch.equal(g_default[name], g_switched[name]), name
+        if name in regrouped:
+            torch.testing.assert_close(g_switched[name], g_default[name], rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(g_default[name], g_switched[name]), name
 
 
 UNFUSED_COLS_CASES = GATHER_A_CASES + [
