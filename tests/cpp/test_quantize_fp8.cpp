@@ -23,6 +23,7 @@
 #include "kernels/common/gather_padded.h"
 #include "kernels/common/quantize_fp8.h"
 #include "kernels/common/routing_plan.h"
+#include "kernels/common/sm_count.h"
 #include "megamoe/megamoe.h"
 #include "test_util.h"
 
@@ -322,6 +323,30 @@ TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGather) {
   }
   // A token routed twice to the same expert (the plan allows it): both rows written.
   check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, fresh_seed());
+  // More destinations per row than a half-warp has lanes (entries 16 on read as used).
+  for (const int64_t k : {16, 17, 40}) {
+    const uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    check(70, k, 256, 64, random_ids(70, k, 64, 3, 9, rng), seed);
+  }
+}
+
+// The kernel's CTAs loop over the tiles (a grid of a few CTAs per SM, each loading the next
+// tile before it stores the current one): on a grid capped to 1 and 3 SMs each CTA takes
+// many tiles, the loop's last ones and a tile count that no CTA count divides among them.
+TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGatherOnFewCtas) {
+  for (const int sms : {1, 3}) {
+    SCOPED_TRACE("SmLimit " + std::to_string(sms));
+    const megamoe::SmLimit limit(sms);
+    for (const RoutingCase& c : routing_cases()) {
+      const uint64_t seed = fresh_seed();
+      std::mt19937_64 rng(seed);
+      check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng), seed);
+    }
+    const uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    check(300, 20, 384, 32, random_ids(300, 20, 32, 4, 11, rng), seed);  // k > 16
+  }
 }
 
 TEST(QuantizeFp8SortedRowsErrors, NeedsDestinations) {
@@ -474,6 +499,27 @@ TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantize) {
   // A token routed twice to the same expert; every slot dropped (no used tile at all).
   check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, true, fresh_seed());
   check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
+}
+
+// As QuantizeFp8SortedRows.EqualsQuantizeThenGatherOnFewCtas: each CTA loops over many
+// tiles (its index loads two tiles ahead, its values one), with tiles past tile_offsets[E].
+TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantizeOnFewCtas) {
+  std::vector<RoutingCase> cases = routing_cases();
+  cases.push_back({1000, 2, 384, 1, -1, 0});  // one expert, 16 row tiles x 3 column tiles
+  cases.push_back({700, 8, 512, 128, 9, 5});  // many experts, most with a partial tile
+  for (const int sms : {1, 3}) {
+    SCOPED_TRACE("SmLimit " + std::to_string(sms));
+    const megamoe::SmLimit limit(sms);
+    for (const RoutingCase& c : cases) {
+      for (const bool weighted : {false, true}) {
+        const uint64_t seed = fresh_seed();
+        std::mt19937_64 rng(seed);
+        check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng),
+              weighted, seed);
+      }
+    }
+    check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
+  }
 }
 
 TEST(QuantizeFp8GatheredColumnsErrors, ArgumentsNamed) {

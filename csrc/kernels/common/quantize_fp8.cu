@@ -1,5 +1,6 @@
 #include "kernels/common/quantize_fp8.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -10,6 +11,7 @@
 #include "kernels/common/bf16_scale.cuh"
 #include "kernels/common/fp8_recipe.cuh"
 #include "kernels/common/kernel_preload.h"
+#include "kernels/common/sm_count.h"
 
 namespace megamoe {
 namespace {
@@ -43,87 +45,146 @@ __device__ __forceinline__ uint32_t mask_nan(uint32_t q, uint32_t nan_bytes) {
   return (q & ~nan_bytes) | (kE4m3NanX4 & nan_bytes);
 }
 
-// Calls write(d) for every row d of the direct copy that row `row` of x goes to: `row`
-// itself, or (kToRows) its entries of `dests`. (Fp8RowDests is a kernel parameter of its
-// own: in Fp8QuantizeArgs it costs the plain kernels registers.)
-template <bool kToRows, class Dests, class Write>
-__device__ __forceinline__ void for_each_dest(const Dests& dests, int64_t row,
-                                              Write&& write) {
-  if constexpr (kToRows) {
-    for (int64_t j = 0; j < dests.per_row; ++j) {
-      const int32_t d = __ldg(&dests.rows[row * dests.per_row + j]);
-      if (d >= 0) write(int64_t(d));
-    }
-  } else {
-    write(row);
+// Thread (rg, cg) holds rows 8 rg .. 8 rg + 7 of a tile, as do the other 15 lanes of its
+// half-warp. The per-row indices (a gathered row's token and slot, a row's destinations)
+// are fetched one per lane and shuffled to the half-warp where used: lane cg holds those of
+// row cg % 8, or entry cg of each row's destinations; row_lane(i) is the lane holding entry
+// i. One register per index instead of eight, each half-warp's index loads coalesced.
+__device__ __forceinline__ int row_lane(int i) { return (threadIdx.x % 32 & 16) + i; }
+
+// The shared memory of one tile: the transposed e4m3 values, the column maxima per warp
+// and the columns' multipliers (kColumns128, kTiles128).
+struct TileSmem {
+  alignas(16) uint8_t staged[kTile * kTile];
+  uint32_t partial_max[kWarps][kColGroups * 4];
+  float column_r[kTile];
+};
+
+struct TilePos {
+  int64_t b, ti, tj, row0, col0;
+};
+
+__device__ __forceinline__ TilePos tile_pos(int64_t tile, int64_t row_tiles, int64_t col_tiles) {
+  const int64_t ti = (tile / col_tiles) % row_tiles, tj = tile % col_tiles;
+  return {tile / (row_tiles * col_tiles), ti, tj, ti * kTile, tj * kTile};
+}
+
+// This thread's 8 x 8 values of a tile of x; rows from a.rows on (padding) as zeros.
+__device__ __forceinline__ void load_rows(const Fp8QuantizeArgs& a, const TilePos& t,
+                                          uint4 (&v)[kRowsPerThread]) {
+  const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
+  const __nv_bfloat16* xb = a.x + t.b * a.x_batch + t.col0 + 8 * cg;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t row = t.row0 + kRowsPerThread * rg + i;
+    v[i] = row < a.rows ? __ldg(reinterpret_cast<const uint4*>(xb + row * a.x_row))
+                        : make_uint4(0, 0, 0, 0);
   }
 }
 
-// One CTA per 128 x 128 tile of one matrix of the batch: read once, the scales of its
-// blocks, the e4m3 values written directly and/or transposed (through shared memory, as
-// 8 x 8 byte blocks transposed in registers; 8-byte chunks XOR-swizzled by column group so
-// that both the stores and the 16-byte reads are free of bank conflicts). kGathered: the
-// tile's rows are padded rows of a routing plan over the token matrix x (`dests` is then
-// an Fp8PaddedSource), read as gather_rows_padded would write them.
-template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
-__global__ void __launch_bounds__(kThreads, 3)
-    quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
-                        std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
-  static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
-  static_assert(!kGathered || (kBlocks == Fp8Blocks::kColumns128 && !kToRows));
-  __shared__ alignas(16) uint8_t staged[kTile * kTile];
-  __shared__ uint32_t partial_max[kWarps][kColGroups * 4];
-  __shared__ float column_r[kTile];
+// ---- quantize_fp8_to_rows: where each row goes.
 
-  const int64_t tile = blockIdx.x;
-  const int64_t b = tile / (row_tiles * col_tiles);
-  const int64_t ti = (tile / col_tiles) % row_tiles;
-  const int64_t tj = tile % col_tiles;
-  const int64_t row0 = ti * kTile, col0 = tj * kTile;
+// Entry j of row `row`'s destinations, -1 for none (a negative entry, j >= per_row, or a
+// row from `rows` on).
+__device__ __forceinline__ int32_t dest_entry(const Fp8RowDests& dests, int64_t rows,
+                                              int64_t row, int64_t j) {
+  return j < dests.per_row && row < rows ? __ldg(&dests.rows[row * dests.per_row + j]) : -1;
+}
+
+// Entry cg of the destinations of each of this thread's rows: all of them for per_row <=
+// 16, the first 16 otherwise (the others are read where used).
+__device__ __forceinline__ void load_dests(const Fp8RowDests& dests, int64_t rows,
+                                           const TilePos& t, int32_t (&d)[kRowsPerThread]) {
+  const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    d[i] = dest_entry(dests, rows, t.row0 + kRowsPerThread * rg + i, cg);
+  }
+}
+
+// ---- quantize_fp8_columns_gathered: where each padded row comes from.
+
+// This lane's row of row tile ti (row cg % 8 of its eight) as the plan's sorted row:
+// token -1 for a padding row (the expert's or the matrix's: zeros), slot only with weights.
+struct GatherRow {
+  int32_t token = -1, slot = -1;
+};
+
+__device__ __forceinline__ GatherRow gather_row(const Fp8PaddedSource& p, int64_t rows,
+                                                int64_t ti) {
+  // The tile belongs to one expert: the last whose first tile is <= ti (the search of
+  // gather_rows_padded); ti is below tile_offsets[E].
+  int lo = 0, hi = static_cast<int>(p.num_experts) - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(&p.tile_offsets[mid]) <= ti) lo = mid; else hi = mid - 1;
+  }
+  const int32_t first = __ldg(&p.expert_offsets[lo]);
+  const int64_t count = __ldg(&p.expert_offsets[lo + 1]) - first;
+  const int rg = threadIdx.x / kColGroups, cg = threadIdx.x % kColGroups;
+  const int64_t row = ti * kTile + kRowsPerThread * rg + cg % kRowsPerThread;
+  const int64_t local = row - int64_t(__ldg(&p.tile_offsets[lo])) * kTile;
+  GatherRow g;
+  if (row < rows && local < count) {
+    const int64_t r = first + local;
+    g.token = __ldg(&p.row_token[r]);
+    if (p.slot_weights != nullptr) g.slot = __ldg(&p.row_slot[r]);
+  }
+  return g;
+}
+
+__device__ __forceinline__ float slot_weight(const Fp8PaddedSource& p, const GatherRow& g) {
+  return p.slot_weights != nullptr && g.slot >= 0 ? __ldg(&p.slot_weights[g.slot]) : 0.0f;
+}
+
+// The unscaled token rows of this thread's 8 x 8 values (padding rows: zeros).
+__device__ __forceinline__ void load_gathered(const Fp8QuantizeArgs& a, const TilePos& t,
+                                              const GatherRow& g, uint4 (&v)[kRowsPerThread]) {
+  const __nv_bfloat16* xb = a.x + t.col0 + 8 * (threadIdx.x % kColGroups);
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int32_t token = __shfl_sync(~0u, g.token, row_lane(i));
+    v[i] = token >= 0 ? __ldg(reinterpret_cast<const uint4*>(xb + token * a.x_row))
+                      : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The token rows times their slot weights, as gather_rows_padded rounds them (padding rows
+// stay zeros). Applied when the tile is quantized, not at the load: the prefetched values
+// are still in flight then.
+__device__ __forceinline__ void scale_gathered(const Fp8PaddedSource& p, const GatherRow& g,
+                                               float w, uint4 (&v)[kRowsPerThread]) {
+  if (p.slot_weights == nullptr) return;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int32_t token = __shfl_sync(~0u, g.token, row_lane(i));
+    const float wi = __shfl_sync(~0u, w, row_lane(i));
+    if (token >= 0) v[i] = scale_bf16x8(v[i], wi);
+  }
+}
+
+// ---- One tile, loaded: its blocks' scales, the e4m3 values written directly (to the rows
+// `d` and `dests` give with kToRows) and/or transposed (through shared memory, as 8 x 8
+// byte blocks transposed in registers; 8-byte chunks XOR-swizzled by column group so that
+// both the stores and the 16-byte reads are free of bank conflicts).
+//
+// A CTA that quantizes tile after tile reuses the shared memory without a barrier of its
+// own (kColumns128): each array is written for the next tile only past a barrier that
+// follows every read of it for this one. partial_max, read before this tile's second
+// barrier, is written after its third; column_r (read before the third) and staged (read
+// after it) are written after the next tile's first.
+template <Fp8Blocks kBlocks, bool kToRows>
+__device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const TilePos& t,
+                                              const uint4 (&v)[kRowsPerThread],
+                                              const Fp8RowDests& dests,
+                                              const int32_t (&d)[kRowsPerThread],
+                                              TileSmem& sm) {
   const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-
-  uint4 v[kRowsPerThread];
-  const __nv_bfloat16* xb = a.x + b * a.x_batch + col0 + 8 * cg;
-  if constexpr (kGathered) {
-    // Every tile belongs to one expert: the last whose first tile is <= ti (the search of
-    // gather_rows_padded). Tiles from tile_offsets[E] on: none (the whole CTA returns).
-    const Fp8PaddedSource& p = dests;
-    const int32_t E = static_cast<int32_t>(p.num_experts);
-    if (ti >= __ldg(&p.tile_offsets[E])) return;
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (__ldg(&p.tile_offsets[mid]) <= ti) lo = mid; else hi = mid - 1;
-    }
-    const int32_t first = __ldg(&p.expert_offsets[lo]);
-    const int64_t count = __ldg(&p.expert_offsets[lo + 1]) - first;
-    const int64_t local0 = row0 - int64_t(__ldg(&p.tile_offsets[lo])) * kTile;
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t row = row0 + kRowsPerThread * rg + i;
-      const int64_t local = local0 + kRowsPerThread * rg + i;
-      v[i] = make_uint4(0, 0, 0, 0);  // padding rows (the expert's and the matrix's): zeros
-      if (row < a.rows && local < count) {
-        const int64_t r = first + local;
-        const int64_t token = __ldg(&p.row_token[r]);
-        v[i] = __ldg(reinterpret_cast<const uint4*>(xb + token * a.x_row));
-        if (p.slot_weights != nullptr) {
-          v[i] = scale_bf16x8(v[i], __ldg(&p.slot_weights[__ldg(&p.row_slot[r])]));
-        }
-      }
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t row = row0 + kRowsPerThread * rg + i;
-      v[i] = row < a.rows ? __ldg(reinterpret_cast<const uint4*>(xb + row * a.x_row))
-                          : make_uint4(0, 0, 0, 0);  // padding rows count as zeros
-    }
-  }
+  const int64_t ti = t.ti, tj = t.tj, row0 = t.row0, col0 = t.col0;
 
   uint32_t qlo[kRowsPerThread], qhi[kRowsPerThread];  // columns 0-3 and 4-7 of each row
-  float* scales = a.scales + b * a.s_batch;
+  float* scales = a.scales + t.b * a.s_batch;
   if constexpr (kBlocks == Fp8Blocks::kRows1x128) {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
@@ -134,8 +195,17 @@ __global__ void __launch_bounds__(kThreads, 3)
       qlo[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r);
       qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
       const int64_t row = row0 + kRowsPerThread * rg + i;
-      if (cg == 0 && row < a.rows) {
-        for_each_dest<kToRows>(dests, row, [&](int64_t d) { scales[d * a.s_0 + tj * a.s_1] = s.scale; });
+      if constexpr (kToRows) {
+        // Every lane writes the scale of its destination entries of the row.
+        const auto write = [&](int32_t dest) {
+          if (dest >= 0) scales[dest * a.s_0 + tj * a.s_1] = s.scale;
+        };
+        write(d[i]);
+        for (int64_t j0 = kColGroups; j0 < dests.per_row; j0 += kColGroups) {
+          write(dest_entry(dests, a.rows, row, j0 + cg));
+        }
+      } else if (cg == 0 && row < a.rows) {
+        scales[row * a.s_0 + tj * a.s_1] = s.scale;
       }
     }
   } else if constexpr (kBlocks == Fp8Blocks::kTiles128) {
@@ -145,10 +215,10 @@ __global__ void __launch_bounds__(kThreads, 3)
     m = max_of_halves(m);
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
-    if (lane == 0) partial_max[warp][0] = m;
+    if (lane == 0) sm.partial_max[warp][0] = m;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = max(m, partial_max[w][0]);
+    for (int w = 0; w < kWarps; ++w) m = max(m, sm.partial_max[w][0]);
     const Fp8BlockScale s = fp8_block_scale_bf16(m);
     if (threadIdx.x == 0) scales[ti * a.s_0 + tj * a.s_1] = s.scale;
 #pragma unroll
@@ -170,18 +240,18 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int w = 0; w < 4; ++w) c[w] = max_halves(c[w], __shfl_xor_sync(~0u, c[w], 16));
     if (lane < kColGroups) {
 #pragma unroll
-      for (int w = 0; w < 4; ++w) partial_max[warp][4 * cg + w] = c[w];
+      for (int w = 0; w < 4; ++w) sm.partial_max[warp][4 * cg + w] = c[w];
     }
     __syncthreads();
     if (threadIdx.x < kColGroups * 4) {  // two columns each: 2t and 2t + 1
-      uint32_t m = partial_max[0][threadIdx.x];
+      uint32_t m = sm.partial_max[0][threadIdx.x];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) m = max_halves(m, partial_max[w][threadIdx.x]);
+      for (int w = 1; w < kWarps; ++w) m = max_halves(m, sm.partial_max[w][threadIdx.x]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = 2 * threadIdx.x + h;
         const Fp8BlockScale s = fp8_block_scale_bf16(h ? m >> 16 : m & 0xFFFFu);
-        column_r[col] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
+        sm.column_r[col] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
         scales[(col0 + col) * a.s_0 + ti * a.s_1] = s.scale;
       }
     }
@@ -190,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     uint32_t nan_lo = 0, nan_hi = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      r[j] = column_r[8 * cg + j];
+      r[j] = sm.column_r[8 * cg + j];
       const uint32_t byte = isnan(r[j]) ? 0xFFu << (8 * (j % 4)) : 0u;
       (j < 4 ? nan_lo : nan_hi) |= byte;
     }
@@ -202,13 +272,24 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 
   if (kBlocks != Fp8Blocks::kColumns128 && a.q != nullptr) {
-    uint8_t* qb = a.q + b * a.q_batch + col0 + 8 * cg;
+    uint8_t* qb = a.q + t.b * a.q_batch + col0 + 8 * cg;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
+      const uint2 q = make_uint2(qlo[i], qhi[i]);
       const int64_t row = row0 + kRowsPerThread * rg + i;
-      if (row < a.rows) {
-        const uint2 q = make_uint2(qlo[i], qhi[i]);
-        for_each_dest<kToRows>(dests, row, [&](int64_t d) { *reinterpret_cast<uint2*>(qb + d * a.q_row) = q; });
+      if constexpr (kToRows) {
+        // The half-warp writes the row to each destination in turn, entry j from lane j.
+        // (Uniform loops: every lane shuffles, rows past a.rows have no destinations.)
+        for (int64_t j0 = 0; j0 < dests.per_row; j0 += kColGroups) {
+          const int32_t mine = j0 == 0 ? d[i] : dest_entry(dests, a.rows, row, j0 + cg);
+          const int n = static_cast<int>(min(int64_t(kColGroups), dests.per_row - j0));
+          for (int j = 0; j < n; ++j) {
+            const int32_t dest = __shfl_sync(~0u, mine, row_lane(j));
+            if (dest >= 0) *reinterpret_cast<uint2*>(qb + dest * a.q_row) = q;
+          }
+        }
+      } else if (row < a.rows) {
+        *reinterpret_cast<uint2*>(qb + row * a.q_row) = q;
       }
     }
   }
@@ -221,22 +302,111 @@ __global__ void __launch_bounds__(kThreads, 3)
     transpose4x4(qhi[0], qhi[1], qhi[2], qhi[3], c47_r03);
     transpose4x4(qhi[4], qhi[5], qhi[6], qhi[7], c47_r47);
     // Staged row c (a column of the tile) holds 16 chunks of 8 rows; chunk rg sits at rg ^ cg.
-    uint8_t* chunk = staged + 8 * cg * kTile + 8 * (rg ^ cg);
+    uint8_t* chunk = sm.staged + 8 * cg * kTile + 8 * (rg ^ cg);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       *reinterpret_cast<uint2*>(chunk + j * kTile) = make_uint2(c03_r03[j], c03_r47[j]);
       *reinterpret_cast<uint2*>(chunk + (j + 4) * kTile) = make_uint2(c47_r03[j], c47_r47[j]);
     }
     __syncthreads();
-    uint8_t* tb = a.q_t + b * a.t_batch + col0 * a.t_row + row0;
+    uint8_t* tb = a.q_t + t.b * a.t_batch + col0 * a.t_row + row0;
 #pragma unroll
     for (int k = 0; k < kTile * kTile / 16 / kThreads; ++k) {
       const int idx = threadIdx.x + k * kThreads;
       const int c = idx / 8, m = idx % 8, key = c / 8;
-      uint4 val = *reinterpret_cast<const uint4*>(staged + c * kTile + 16 * (m ^ (key >> 1)));
+      uint4 val = *reinterpret_cast<const uint4*>(sm.staged + c * kTile + 16 * (m ^ (key >> 1)));
       if (key & 1) val = make_uint4(val.z, val.w, val.x, val.y);
       *reinterpret_cast<uint4*>(tb + c * a.t_row + 16 * m) = val;
     }
+  }
+}
+
+// A CTA of the kernels that loop (kToRows, kGathered) quantizes tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ... (a persistent grid of a few CTAs per SM): each tile's loads
+// are issued before the previous tile is quantized and stored, so that a CTA has a tile's
+// 32 KB in flight while it works (one tile per CTA left the loads of a CTA idle through
+// its reductions, barriers and stores), and with the gathered rows the index loads that
+// the addresses wait for (the expert search, row_token, row_slot -> slot_weights) are a
+// tile further ahead still. Tiles go to CTAs in the order of one CTA per tile: the CTAs
+// at work at one time read neighbouring tiles (with kGathered, the 128-byte column pieces
+// of the same token rows) as before. kGathered: the tile's rows are padded rows of a
+// routing plan over the token matrix x (`dests` is then an Fp8PaddedSource), read as
+// gather_rows_padded would write them.
+template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
+__global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
+    quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
+                        std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
+  static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
+  static_assert(!kGathered || (kBlocks == Fp8Blocks::kColumns128 && !kToRows));
+  __shared__ TileSmem sm;
+  const int32_t no_dests[kRowsPerThread] = {};  // (for the kernels without destinations)
+
+  if constexpr (kGathered) {
+    const Fp8PaddedSource& p = dests;
+    // Row tiles from tile_offsets[E] on have no rows of the plan and are not written.
+    const int64_t used = min(row_tiles, int64_t(max(__ldg(&p.tile_offsets[p.num_experts]), 0)));
+    const int64_t tiles = used * col_tiles, stride = gridDim.x;
+    int64_t tile = blockIdx.x;
+    if (tile >= tiles) return;
+    uint4 v[kRowsPerThread];
+    GatherRow g = gather_row(p, a.rows, tile / col_tiles), g1;
+    load_gathered(a, tile_pos(tile, used, col_tiles), g, v);
+    float w = slot_weight(p, g);
+    if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) / col_tiles);
+    for (;;) {
+      const int64_t next = tile + stride, after = next + stride;
+      uint4 vn[kRowsPerThread];
+      float w1 = 0.0f;
+      if (next < tiles) {
+        load_gathered(a, tile_pos(next, used, col_tiles), g1, vn);
+        w1 = slot_weight(p, g1);
+      }
+      GatherRow g2;
+      if (after < tiles) g2 = gather_row(p, a.rows, after / col_tiles);
+      scale_gathered(p, g, w, v);
+      quantize_tile<kBlocks, false>(a, tile_pos(tile, used, col_tiles), v, {}, no_dests, sm);
+      if (next >= tiles) break;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
+      g = g1;
+      w = w1;
+      g1 = g2;
+      tile = next;
+    }
+  } else if constexpr (kToRows) {
+    const int64_t tiles = a.batches * row_tiles * col_tiles, stride = gridDim.x;
+    int64_t tile = blockIdx.x;
+    if (tile >= tiles) return;
+    uint4 v[kRowsPerThread];
+    int32_t d[kRowsPerThread];
+    TilePos pos = tile_pos(tile, row_tiles, col_tiles);
+    load_rows(a, pos, v);
+    load_dests(dests, a.rows, pos, d);
+    for (;;) {
+      const int64_t next = tile + stride;
+      const TilePos npos = tile_pos(next, row_tiles, col_tiles);
+      uint4 vn[kRowsPerThread];
+      int32_t dn[kRowsPerThread];
+      if (next < tiles) {
+        load_rows(a, npos, vn);
+        load_dests(dests, a.rows, npos, dn);
+      }
+      quantize_tile<kBlocks, true>(a, pos, v, dests, d, sm);
+      if (next >= tiles) break;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        v[i] = vn[i];
+        d[i] = dn[i];
+      }
+      tile = next;
+      pos = npos;
+    }
+  } else {
+    // One tile per CTA.
+    const TilePos pos = tile_pos(blockIdx.x, row_tiles, col_tiles);
+    uint4 v[kRowsPerThread];
+    load_rows(a, pos, v);
+    quantize_tile<kBlocks, false>(a, pos, v, {}, no_dests, sm);
   }
 }
 
@@ -290,6 +460,18 @@ unsigned checked_grid(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows) 
   return static_cast<unsigned>(tiles);
 }
 
+// The grid of a kernel that loops over its `tiles`: as many CTAs as fit on the SMs at once
+// (sm_count(): the device's, or an SmLimit's), or one per tile when there are fewer.
+template <auto kKernel>
+unsigned persistent_grid(unsigned tiles) {
+  static const int per_sm = [] {
+    int n = 0;
+    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads, 0));
+    return n > 0 ? n : 1;
+  }();
+  return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t(per_sm) * sm_count()));
+}
+
 }  // namespace
 
 void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t stream) {
@@ -324,8 +506,9 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
       (src.slot_weights && !src.row_slot)) {
     fail("null routing plan pointer in src");
   }
-  quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>
-      <<<grid, kThreads, 0, stream>>>(a, row_tiles_of(a), a.cols / kTile, src);
+  constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>;
+  kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(a, row_tiles_of(a),
+                                                                 a.cols / kTile, src);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -335,8 +518,9 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   const unsigned grid = checked_grid(Fp8Blocks::kRows1x128, a, true);
   if (grid == 0) return;
   if (dests.rows == nullptr) fail("null dests.rows");
-  quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>
-      <<<grid, kThreads, 0, stream>>>(a, row_tiles_of(a), a.cols / kTile, dests);
+  constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>;
+  kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(a, row_tiles_of(a),
+                                                                 a.cols / kTile, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
