@@ -6,6 +6,11 @@
 //   a                                                   -> a_out (optional, for dW_down)
 // In the padded layout, pad rows of dh and a_out are written as zeros: they are the weight
 // gradients' operands.
+//
+// kFp8Dh (the FP8 dgrad): dh also leaves as e4m3 rows in 1x128 blocks with their scales, the
+// A of L1's dgrad, quantized from the bf16 dh values this epilogue writes (epilogue_fp8_rows.cuh:
+// the bits of the rows quantizer on the bf16 dh, pad rows included). A tile over a-columns
+// n0.. holds dh's gate columns n0.. and up columns I + n0..: one or two whole blocks of each.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,6 +19,7 @@
 #include <type_traits>
 
 #include "kernels/sm90/epilogue_common.cuh"
+#include "kernels/sm90/epilogue_fp8_rows.cuh"
 #include "kernels/sm90/epilogue_swiglu.cuh"
 #include "kernels/sm90/tensor_map.h"
 
@@ -46,12 +52,26 @@ __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[
           __floats2bfloat162_rn(a[0], a[1])};
 }
 
-template <int kBlockN_>
+// dh's e4m3 rows for kFp8Dh: [out rows, 2I] and the scale of row r's block j at
+// scales[j * scale_ld + r].
+struct Fp8DhRows {
+  uint8_t* q;
+  float* scales;
+  int64_t scale_ld;
+};
+struct Fp8DhParams {
+  CUtensorMap map_dh_q;  // q in 64 x 128-byte boxes
+  Fp8DhRows rows;
+};
+struct NoFp8Dh {};
+
+template <int kBlockN_, bool kFp8Dh = false>
 class SwiGLUBackwardEpilogue {
  public:
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kOutCols = kBlockN;  // of a = silu(g) u; dh has two such tiles
   static constexpr BColumns kBColumns = BColumns::kContiguous;
+  static constexpr int kBlocks = kBlockN / 128;  // 1x128 blocks of dh's gate (and up) columns
 
   struct Operands {
     const __nv_bfloat16* h;      // [sorted rows, 2I]
@@ -64,7 +84,8 @@ class SwiGLUBackwardEpilogue {
     int32_t half_n;              // I
     int32_t padded;              // dh and a_out are in the padded layout
   };
-  struct Params {
+  // The FP8 part is a base: empty (and of no size) without kFp8Dh.
+  struct Params : std::conditional_t<kFp8Dh, Fp8DhParams, NoFp8Dh> {
     CUtensorMap map_dh;     // dh in 64 x 64 boxes
     CUtensorMap map_a_out;  // a_out in 64 x 64 boxes (when a_out is set)
     CUtensorMap map_h;      // h in 64 x 64 boxes (read by TMA in the staged path)
@@ -80,6 +101,14 @@ class SwiGLUBackwardEpilogue {
     p.map_h = make_tensor_map(h, h_rows, 2 * half_n, 64);
     p.o = {h, dh, a_out, slot_weights, row_slot, dp_partial,
            static_cast<int32_t>(half_n / kBlockN), static_cast<int32_t>(half_n), padded};
+    return p;
+  }
+  // kFp8Dh: p with dh's e4m3 rows q [out_rows, 2I] (dh's layout) and their scales.
+  static Params with_fp8_dh(Params p, __nv_fp8_e4m3* q, float* scales, int64_t scale_ld,
+                            int64_t out_rows) {
+    static_assert(kFp8Dh);
+    p.map_dh_q = make_tensor_map<__nv_fp8_e4m3>(q, out_rows, 2 * int64_t(p.o.half_n), 64);
+    p.rows = {reinterpret_cast<uint8_t*>(q), scales, scale_ld};
     return p;
   }
 
@@ -109,7 +138,8 @@ class SwiGLUBackwardEpilogue {
 
   __device__ __forceinline__ SwiGLUBackwardEpilogue(const Params& p, Buffers& buffers,
                                                     Barriers& barriers, int consumer)
-      : p_(p), o_(p.o), buffers_(buffers), h_bar_(&barriers.h_full[consumer]), consumer_(consumer) {}
+      : p_(p), o_(p.o), fp8_(fp8_rows(p)), buffers_(buffers), h_bar_(&barriers.h_full[consumer]),
+        consumer_(consumer) {}
 
   // The staged path's first quarter of h, fetched under this tile's MMAs (the buffers were
   // released by the last tile's epilogue, whose final barrier every thread has passed).
@@ -142,6 +172,14 @@ class SwiGLUBackwardEpilogue {
     const int64_t ld = 2 * int64_t(o_.half_n);
     const int col0 = t.n_tile * kBlockN + Fragment::col(0);
     float partial[2] = {0.f, 0.f};
+    // kFp8Dh: a slab of the expert's rows and pad rows stages its e4m3 blocks for TMA stores
+    // (the bf16 stores here leave the staging buffer free); one past the expert's end stores
+    // them from registers.
+    const bool fp8_staged = kFp8Dh && (o_.padded || t.rows - slab >= 64);
+    if constexpr (kFp8Dh) {
+      static_assert(kLoadBatch * 8 == 128, "a batch is one 1x128 block of dh");
+      if (fp8_staged) release_staging();
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = Fragment::row(half);
@@ -158,6 +196,13 @@ class SwiGLUBackwardEpilogue {
             *reinterpret_cast<__nv_bfloat162*>(du_out + q * 8) = zero;
             if (a_out) *reinterpret_cast<__nv_bfloat162*>(a_out + q * 8) = zero;
           }
+          if constexpr (kFp8Dh) {
+            const uint32_t zeros[16] = {};
+#pragma unroll
+            for (int block = 0; block < kBlocks; ++block) {
+              put_fp8_dh(t, block, half, fp8_staged, zeros, zeros);
+            }
+          }
         }
         continue;
       }
@@ -173,6 +218,7 @@ class SwiGLUBackwardEpilogue {
           g_bits[i] = __ldg(h_gate + (q0 + i) * 4);  // 8 bf16 columns = 4 words apart
           u_bits[i] = __ldg(h_up + (q0 + i) * 4);
         }
+        uint32_t dg_bits[kLoadBatch], du_bits[kLoadBatch];  // kFp8Dh: the block's bf16 dh
 #pragma unroll
         for (int i = 0; i < kLoadBatch; ++i) {
           const int q = q0 + i;
@@ -182,8 +228,16 @@ class SwiGLUBackwardEpilogue {
           *reinterpret_cast<__nv_bfloat162*>(dg_out + q * 8) = out.dg;
           *reinterpret_cast<__nv_bfloat162*>(du_out + q * 8) = out.du;
           if (a_out) *reinterpret_cast<__nv_bfloat162*>(a_out + q * 8) = out.a;
+          if constexpr (kFp8Dh) {
+            dg_bits[i] = *reinterpret_cast<const uint32_t*>(&out.dg);
+            du_bits[i] = *reinterpret_cast<const uint32_t*>(&out.du);
+          }
         }
+        if constexpr (kFp8Dh) put_fp8_dh(t, q0 / kLoadBatch, half, fp8_staged, dg_bits, du_bits);
       }
+    }
+    if constexpr (kFp8Dh) {
+      if (fp8_staged) store_fp8_staged<kBlocks>(t, 0);
     }
     store_dp_partials(t, partial);
   }
@@ -218,6 +272,10 @@ class SwiGLUBackwardEpilogue {
     float partial[2] = {0.f, 0.f};
     bool valid[2];
     float weight[2];
+    // kFp8Dh: a block's bf16 dg and du pairs of each half, kept from its first quarter to its
+    // second, then its e4m3 rows until the staging buffer is free for them.
+    uint32_t dg_block[2][16], du_block[2][16];
+    Fp8DhBlocks fp8_blocks[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = Fragment::row(half);
@@ -282,6 +340,18 @@ class SwiGLUBackwardEpilogue {
           stmatrix_x4(at, dg[0], dg[1], dg[2], dg[3]);
           stmatrix_x4(at + kStoreBoxBytes, du[0], du[1], du[2], du[3]);
           stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
+          if constexpr (kFp8Dh) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+              dg_block[half][(quarter % 2) * kChunksPerBox + i0 + m] = dg[m];
+              du_block[half][(quarter % 2) * kChunksPerBox + i0 + m] = du[m];
+            }
+          }
+        }
+        if constexpr (kFp8Dh) {
+          if (quarter % 2 == 1) {
+            fp8_blocks[half] = quantize_fp8_dh(t, quarter / 2, half, dg_block[half], du_block[half]);
+          }
         }
       }
       fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
@@ -294,8 +364,96 @@ class SwiGLUBackwardEpilogue {
         if (o_.a_out != nullptr) tma_store_2d(&p_.map_a_out, staging + 2 * kStoreBoxBytes, col, row);
         bulk_commit_group();
       }
+      if constexpr (kFp8Dh) {
+        if (quarter % 2 == 1) {  // the block's e4m3 rows, once the stores have read boxes 0, 1
+          release_staging();
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            stage_row_block(staging, Fragment::row(half), fp8_blocks[half].gate);
+            stage_row_block(staging + kStoreBoxBytes, Fragment::row(half), fp8_blocks[half].up);
+          }
+          store_fp8_staged<1>(t, quarter / 2);
+        }
+      }
     }
     store_dp_partials(t, partial);
+  }
+
+  // ---- kFp8Dh ----
+
+  __device__ __forceinline__ static auto fp8_rows(const Params& p) {
+    if constexpr (kFp8Dh) {
+      return p.rows;
+    } else {
+      return NoFp8Dh{};
+    }
+  }
+
+  // Waits until the warpgroup's TMA stores have read its staging buffer.
+  __device__ __forceinline__ void release_staging() const {
+    if (threadIdx.x % 128 == 0) bulk_wait_group_read_all();
+    consumer_barrier_sync(consumer_);
+  }
+
+  __device__ __forceinline__ int64_t out_row(const Tile& t, int half) const {
+    return t.row(o_.padded) + consumer_ * 64 + Fragment::row(half);
+  }
+  // dh's first column of the tile's gate block `block` (its up block is half_n further).
+  __device__ __forceinline__ int gate_col(const Tile& t, int block) const {
+    return t.n_tile * kBlockN + block * 128;
+  }
+
+  // The e4m3 rows of this thread's row (half `half`) in the tile's gate block `block` and
+  // its up block, from the bf16 pairs written to dh; their scales stored (lane 0 of the quad
+  // the gate's, lane 1 the up's).
+  struct Fp8DhBlocks {
+    Fp8RowBlock gate, up;
+  };
+  __device__ __forceinline__ Fp8DhBlocks quantize_fp8_dh(const Tile& t, int block, int half,
+                                                         const uint32_t (&dg)[16],
+                                                         const uint32_t (&du)[16]) const {
+    const Fp8DhBlocks b{quantize_row_block(dg), quantize_row_block(du)};
+    const int lane = threadIdx.x % 4;
+    if (lane < 2) {
+      const int64_t j = gate_col(t, block) / 128 + (lane ? o_.half_n / 128 : 0);
+      fp8_.scales[j * fp8_.scale_ld + out_row(t, half)] = lane ? b.up.scale : b.gate.scale;
+    }
+    return b;
+  }
+
+  // The same, the rows then staged (gate in box 2 * block, up in the next) or stored.
+  __device__ __forceinline__ void put_fp8_dh(const Tile& t, int block, int half, bool staged,
+                                             const uint32_t (&dg)[16],
+                                             const uint32_t (&du)[16]) const {
+    const Fp8DhBlocks b = quantize_fp8_dh(t, block, half, dg, du);
+    if (staged) {
+      uint8_t* box = buffers_.staging[consumer_] + 2 * block * kStoreBoxBytes;
+      stage_row_block(box, Fragment::row(half), b.gate);
+      stage_row_block(box + kStoreBoxBytes, Fragment::row(half), b.up);
+    } else {
+      uint8_t* out = fp8_.q + out_row(t, half) * (2 * int64_t(o_.half_n)) + gate_col(t, block);
+      store_row_block(out, b.gate);
+      store_row_block(out + o_.half_n, b.up);
+    }
+  }
+
+  // The staged e4m3 rows of the slab by TMA: blocks first.. first + kCount - 1, block
+  // first + i's gate rows in box 2i and its up rows in box 2i + 1.
+  template <int kCount>
+  __device__ __forceinline__ void store_fp8_staged(const Tile& t, int first) const {
+    uint8_t* staging = buffers_.staging[consumer_];
+    fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
+    consumer_barrier_sync(consumer_);
+    if (threadIdx.x % 128 == 0) {
+      const int row = t.row(o_.padded) + consumer_ * 64;
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) {
+        const int col = gate_col(t, first + i);
+        tma_store_2d(&p_.map_dh_q, staging + 2 * i * kStoreBoxBytes, col, row);
+        tma_store_2d(&p_.map_dh_q, staging + (2 * i + 1) * kStoreBoxBytes, o_.half_n + col, row);
+      }
+      bulk_commit_group();
+    }
   }
 
   // The slab's dp partials: the four lanes of a quad hold all columns of the same two rows;
@@ -319,6 +477,7 @@ class SwiGLUBackwardEpilogue {
 
   const Params& p_;  // for the tensor maps
   const Operands o_;  // a copy (epilogue_common.cuh says why)
+  const std::conditional_t<kFp8Dh, Fp8DhRows, NoFp8Dh> fp8_;  // a copy, as o_
   Buffers& buffers_;
   uint64_t* h_bar_;
   int consumer_;

@@ -57,11 +57,28 @@ void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream)
 void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& args, __nv_bfloat16* h,
                                   cudaStream_t stream);
 
+// An e4m3 copy of a GEMM's bf16 output C in 1x128 blocks, as the A of a following FP8 GEMM
+// (MGroupedFp8A): data [c.rows, C's columns] row-major in C's row layout, 16-byte aligned;
+// the scale of row r's block j (columns 128j..) at scales[j * scale_ld + r], 16-byte
+// aligned, scale_ld a multiple of 4 and >= c.rows.
+struct Fp8RowsOut {
+  __nv_fp8_e4m3* data = nullptr;
+  float* scales = nullptr;
+  int64_t scale_ld = 0;
+};
+
 // The dgrad of L2 with the SwiGLU backward, as m_grouped_gemm_nn_swiglu_backward, with
 // b = W_down^T [E * I, H] (k = H, n = I, a multiple of 128) and dp_partial
 // [groups.rows, fp8_swiglu_backward_dp_columns(I, A gathered)]: one partial per N-tile, and
 // the tiles are 256-wide when I allows and A comes by TMA, else 128-wide (I / 128 partials,
 // the most there can be).
+// dh_fp8 (optional: data null for none): dh's e4m3 rows [c.rows, 2I] and scales
+// [2I / 128, scale_ld], written by the same epilogue, bit for bit quantize_fp8's kRows1x128
+// of the bf16 dh (pad rows too: zeros and the scale of an all-zero block); rows the GEMM
+// does not write (past the last expert's rows) are left alone, as in dh.
+void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& args,
+                                           const SwiGLUGradArgs& grads,
+                                           const Fp8RowsOut& dh_fp8, cudaStream_t stream);
 void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& args,
                                            const SwiGLUGradArgs& grads, cudaStream_t stream);
 int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered);

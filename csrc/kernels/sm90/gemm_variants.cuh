@@ -64,9 +64,10 @@ template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLU =
     MGroupedGemm<WeightScales<kBlockN, BColumns::kGateUpHalves>, kGathered,
                  SwiGLUSavedHEpilogue<kBlockN>>;
-template <int kBlockN, bool kGathered>
+// kFp8Dh: the epilogue also writes dh's 1x128 e4m3 rows, the L1 dgrad's A.
+template <int kBlockN, bool kGathered, bool kFp8Dh = false>
 using MGroupedFp8GemmNtSwiGLUBackward =
-    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
+    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN, kFp8Dh>>;
 template <int kBlockN>
 using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows, BColumns::kContiguous, kBlockN>,
                                        WeightGradEpilogue<kBlockN>>;

@@ -112,23 +112,54 @@ void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h
 }
 
 void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const SwiGLUGradArgs& g,
-                                           cudaStream_t stream) {
+                                           const Fp8RowsOut& dh_fp8, cudaStream_t stream) {
   const std::string name = "m_grouped_fp8_gemm_nt_swiglu_backward";
   if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": I (n) must be a positive multiple of 128");
   if (!g.h || !a.c.data || !g.slot_weights || !g.row_slot || !g.dp_partial) {
     throw_invalid(name + ": null h, dh (C), slot_weights, row_slot or dp_partial");
   }
   if (a.c.ld != 2 * a.n) throw_invalid(name + ": dh (C) must have ld = 2I (2n)");
+  const bool fp8_dh = dh_fp8.data != nullptr;
+  if (fp8_dh) {
+    // Its rows leave by TMA stores; the L1 dgrad reads its scales by TMA.
+    if (reinterpret_cast<uintptr_t>(dh_fp8.data) % 16) {
+      throw_invalid(name + ": dh_fp8.data must be 16-byte aligned");
+    }
+    if (!dh_fp8.scales || reinterpret_cast<uintptr_t>(dh_fp8.scales) % 16) {
+      throw_invalid(name + ": dh_fp8.scales must be set and 16-byte aligned");
+    }
+    if (dh_fp8.scale_ld % 4 != 0 || dh_fp8.scale_ld < a.c.rows) {
+      throw_invalid(name + ": dh_fp8.scale_ld must be a multiple of 4 and at least dh's rows (" +
+                    std::to_string(a.c.rows) + ")");
+    }
+  } else if (dh_fp8.scales != nullptr) {
+    throw_invalid(name + ": dh_fp8.scales set without dh_fp8.data");
+  }
   check_fp8(a, name);
   if (a.groups.rows == 0) return;
   dispatch(a, wide_n(a.a.gather != nullptr, a.n), [&](auto block_n, auto gathered) {
-    using Gemm = MGroupedFp8GemmNtSwiGLUBackward<decltype(block_n)::value, decltype(gathered)::value>;
-    const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
-    const auto epilogue = Gemm::Epilogue::params(
-        g.h, a.groups.rows, a.c.data, g.a_out, a.c.rows, a.c.layout == RowLayout::kPadded,
-        g.slot_weights, g.row_slot, g.dp_partial, a.n);
-    launch<Gemm>(a, b, a.n / block_n, 0, epilogue, stream);
+    const auto run = [&](auto with_fp8_dh) {
+      using Gemm = MGroupedFp8GemmNtSwiGLUBackward<decltype(block_n)::value,
+                                                   decltype(gathered)::value,
+                                                   decltype(with_fp8_dh)::value>;
+      using Epilogue = typename Gemm::Epilogue;
+      const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
+      auto epilogue = Epilogue::params(g.h, a.groups.rows, a.c.data, g.a_out, a.c.rows,
+                                       a.c.layout == RowLayout::kPadded, g.slot_weights,
+                                       g.row_slot, g.dp_partial, a.n);
+      if constexpr (decltype(with_fp8_dh)::value) {
+        epilogue = Epilogue::with_fp8_dh(epilogue, dh_fp8.data, dh_fp8.scales, dh_fp8.scale_ld,
+                                         a.c.rows);
+      }
+      launch<Gemm>(a, b, a.n / block_n, 0, epilogue, stream);
+    };
+    fp8_dh ? run(std::true_type{}) : run(std::false_type{});
   });
+}
+
+void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const SwiGLUGradArgs& g,
+                                           cudaStream_t stream) {
+  m_grouped_fp8_gemm_nt_swiglu_backward(a, g, Fp8RowsOut{}, stream);
 }
 
 int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered) {
