@@ -250,19 +250,31 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
 
 namespace {
 
+// MEGAMOE_FP8_UNFUSED_DH set (and not "0"): the L2 dgrad's epilogue writes dh in bf16 only
+// and dh is quantized into dh_fp8 by the rows quantizer afterwards, instead of by the
+// epilogue itself. A diagnostic, for an A/B of the two on the GPU; the bits are the same.
+// Read on every call, as MEGAMOE_FP8_GATHER_A.
+bool fp8_unfused_dh() {
+  const char* v = std::getenv("MEGAMOE_FP8_UNFUSED_DH");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
 // The FP8 dgrads: z = dy W_down^T's product with dy quantized (into the sorted rows, or
-// gathered) -> dh, a and the dp partials; then dx rows = dh W_gate_up with dh quantized
-// (into token_rows, after the L2 GEMM has read dy's copy there).
+// gathered) -> dh (bf16, and its 1x128 e4m3 rows for L1's dgrad), a and the dp partials;
+// then dx rows = dh W_gate_up (into token_rows, after the L2 GEMM has read dy's copy there).
 void backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
                         const BackwardBuffers& b, bool dx_rows, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
   const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, H, b.dy_fp8, stream);
   sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, dy, as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
+  const bool fused_dh = dx_rows && !fp8_unfused_dh();
+  sm90::Fp8RowsOut dh_fp8;
+  if (fused_dh) dh_fp8 = {b.dh_fp8.q, b.dh_fp8.scales, b.dh_fp8.scale_ld};
   sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
-      l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
+      l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, dh_fp8, stream);
   if (!dx_rows) return;
-  quantize_rows(b.dh, b.padded_rows, 2 * I, b.dh_fp8, stream);
+  if (!fused_dh) quantize_rows(b.dh, b.padded_rows, 2 * I, b.dh_fp8, stream);
   const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,
                               b.dh_fp8.scales, b.dh_fp8.scale_ld};
   sm90::MGroupedFp8GemmArgs l1 = over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),

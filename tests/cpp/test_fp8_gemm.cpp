@@ -3,7 +3,8 @@
 // quantization: every A layout, sorted and padded C, both scale layouts of B (W and the W^T
 // reading of W's scales), the SwiGLU and SwiGLU-backward epilogues, and the weight gradient,
 // over empty experts and ragged tails, with NaN-poisoned outputs and scales that differ per
-// block. Skipped without a GPU.
+// block. The SwiGLU backward's e4m3 dh rows are held to the rows quantizer's bits on its own
+// bf16 dh. Skipped without a GPU.
 //
 // The bound, 1e-3: an output rounded to bf16 can be no closer to the exact product than its
 // own rounding (~1.3e-3 in the Frobenius norm), so a bf16 output is held to 1e-3 of error
@@ -15,9 +16,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "gemm_test_util.h"
+#include "kernels/common/quantize_fp8.h"
 #include "kernels/sm90/gemm_fp8.h"
 
 namespace {
@@ -157,6 +160,59 @@ class Fp8GemmGpu : public megamoe_test::MGroupedGemmTest {
     args.c = {poisoned_bf16(c_rows * c_cols), c_cols, c_rows, c};
     return args;
   }
+
+  // e4m3 rows [rows, cols] and their scales, poisoned with 0xFF bytes: an e4m3 NaN the
+  // recipe never writes (its NaN is 0x7F), and NaN scales of other bits than its own.
+  megamoe::sm90::Fp8RowsOut poisoned_fp8_rows(int64_t rows, int64_t cols) {
+    megamoe::sm90::Fp8RowsOut r;
+    r.scale_ld = (rows + 3) / 4 * 4 + 4;  // beyond the rows
+    r.data = alloc<__nv_fp8_e4m3>(rows * cols);
+    r.scales = alloc<float>(cols / 128 * r.scale_ld);
+    EXPECT_EQ(cudaMemset(r.data, 0xFF, rows * cols), cudaSuccess);
+    EXPECT_EQ(cudaMemset(r.scales, 0xFF, cols / 128 * r.scale_ld * sizeof(float)), cudaSuccess);
+    return r;
+  }
+
+  // Every value and scale of `got`, rows [rows, cols], against the rows quantizer
+  // (kRows1x128) applied to x [rows, cols] bf16.
+  void expect_rows_quantizer_bits(const __nv_bfloat16* x, int64_t rows, int64_t cols,
+                                  const megamoe::sm90::Fp8RowsOut& got) {
+    const megamoe::sm90::Fp8RowsOut want = poisoned_fp8_rows(rows, cols);
+    const megamoe::Fp8QuantizeArgs q{.x = x, .x_row = cols, .rows = rows, .cols = cols,
+                                     .q = reinterpret_cast<uint8_t*>(want.data), .q_row = cols,
+                                     .scales = want.scales, .s_0 = 1, .s_1 = want.scale_ld};
+    megamoe::quantize_fp8(megamoe::Fp8Blocks::kRows1x128, q, stream_);
+    CUDA_OK(cudaGetLastError());
+    const auto bytes = [&](const megamoe::sm90::Fp8RowsOut& r) {
+      return download(reinterpret_cast<const uint8_t*>(r.data), rows * cols);
+    };
+    const std::vector<uint8_t> got_q = bytes(got), want_q = bytes(want);
+    int64_t bad_q = 0;
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      if (got_q[i] != want_q[i] && bad_q++ < 5) {
+        ADD_FAILURE() << "e4m3 row " << i / cols << " column " << i % cols << ": 0x" << std::hex
+                      << int(got_q[i]) << ", the quantizer's 0x" << int(want_q[i]);
+      }
+    }
+    EXPECT_EQ(bad_q, 0);
+    const auto scale_bits = [&](const megamoe::sm90::Fp8RowsOut& r) {
+      const std::vector<float> s = download(r.scales, cols / 128 * r.scale_ld);
+      std::vector<uint32_t> bits(cols / 128 * rows);  // [block][row], without r's pad columns
+      for (int64_t j = 0; j < cols / 128; ++j) {
+        std::memcpy(&bits[j * rows], &s[j * r.scale_ld], rows * sizeof(float));
+      }
+      return bits;
+    };
+    const std::vector<uint32_t> got_s = scale_bits(got), want_s = scale_bits(want);
+    int64_t bad_s = 0;
+    for (size_t i = 0; i < got_s.size(); ++i) {
+      if (got_s[i] != want_s[i] && bad_s++ < 5) {
+        ADD_FAILURE() << "scale of row " << i % rows << " block " << i / rows << ": 0x"
+                      << std::hex << got_s[i] << ", the quantizer's 0x" << want_s[i];
+      }
+    }
+    EXPECT_EQ(bad_s, 0);
+  }
 };
 
 struct Fp8Case {
@@ -256,35 +312,54 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
   const std::vector<uint16_t> h = megamoe_test::random_bf16(g.rows * 2 * I, rng, 1.5);
   const std::vector<double> hv = megamoe_test::bf16_values(h);
   const megamoe_test::SwiGLUSlots slots = megamoe_test::random_swiglu_slots(g.rows, rng);
-
-  const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
+  const std::vector<double> z = megamoe_test::grouped_product(g, dy.rows, w_t.values, H, I, false);
   // Two 256-wide N-tiles, or with a gathered A four 128-wide ones: a dp partial each.
   const bool gathered = p.a == ALayout::kGathered;
   const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I, gathered);
-  const megamoe::sm90::SwiGLUGradArgs grads =
-      swiglu_grads(h, slots, g.rows, dp_cols, poisoned_bf16(args.c.rows * I));
-  float* dp = grads.dp_partial;
-  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, stream_);
-  CUDA_OK(cudaGetLastError());
-
-  const std::vector<double> z = megamoe_test::grouped_product(g, dy.rows, w_t.values, H, I, false);
   const megamoe_test::SwiGLUBackwardReference ref =
       megamoe_test::swiglu_backward_reference(z, hv, slots, g.rows, I, I / dp_cols);
-  const std::vector<double>&ref_dh = ref.dh, &ref_a = ref.a, &ref_dp = ref.dp;
-  const std::vector<uint16_t> dh = download_bf16(args.c.data, args.c.rows * 2 * I);
-  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I), ref_dh, "dh"),
-            kFp8GemmBound);
-  const std::vector<float> dp_got = download(dp, g.rows * dp_cols);
-  const double dp_err =
-      megamoe_test::relative_error(std::vector<double>(dp_got.begin(), dp_got.end()), ref_dp);
-  std::printf("dp partials (fp32): error %.3e\n", dp_err);
-  EXPECT_LT(dp_err, kFp8GemmBound);
-  const std::vector<uint16_t> a = download_bf16(grads.a_out, args.c.rows * I);
-  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(a, g, p.c, I), ref_a, "a"),
-            kFp8GemmBound);
-  if (p.c == RowLayout::kPadded) {
-    EXPECT_EQ(megamoe_test::bad_pad_elements(dh, g, 2 * I, megamoe_test::is_zero), 0) << "dh";
-    EXPECT_EQ(megamoe_test::bad_pad_elements(a, g, I, megamoe_test::is_zero), 0) << "a";
+
+  // Without dh's e4m3 rows and with them (the epilogue that also quantizes dh): the same
+  // bf16 outputs and dp partials, bit for bit.
+  std::vector<uint16_t> dh_bf16_only, a_bf16_only;
+  std::vector<float> dp_bf16_only;
+  for (const bool fp8_dh : {false, true}) {
+    SCOPED_TRACE(fp8_dh ? "with dh_fp8" : "without dh_fp8");
+    const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
+    const megamoe::sm90::SwiGLUGradArgs grads =
+        swiglu_grads(h, slots, g.rows, dp_cols, poisoned_bf16(args.c.rows * I));
+    const megamoe::sm90::Fp8RowsOut dh_fp8 =
+        fp8_dh ? poisoned_fp8_rows(args.c.rows, 2 * I) : megamoe::sm90::Fp8RowsOut{};
+    megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, dh_fp8, stream_);
+    CUDA_OK(cudaGetLastError());
+
+    const std::vector<uint16_t> dh = download_bf16(args.c.data, args.c.rows * 2 * I);
+    EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I), ref.dh, "dh"),
+              kFp8GemmBound);
+    const std::vector<float> dp_got = download(grads.dp_partial, g.rows * dp_cols);
+    const double dp_err =
+        megamoe_test::relative_error(std::vector<double>(dp_got.begin(), dp_got.end()), ref.dp);
+    std::printf("dp partials (fp32): error %.3e\n", dp_err);
+    EXPECT_LT(dp_err, kFp8GemmBound);
+    const std::vector<uint16_t> a = download_bf16(grads.a_out, args.c.rows * I);
+    EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(a, g, p.c, I), ref.a, "a"),
+              kFp8GemmBound);
+    if (p.c == RowLayout::kPadded) {
+      EXPECT_EQ(megamoe_test::bad_pad_elements(dh, g, 2 * I, megamoe_test::is_zero), 0) << "dh";
+      EXPECT_EQ(megamoe_test::bad_pad_elements(a, g, I, megamoe_test::is_zero), 0) << "a";
+    }
+    if (!fp8_dh) {
+      dh_bf16_only = dh;
+      a_bf16_only = a;
+      dp_bf16_only = dp_got;
+      continue;
+    }
+    EXPECT_TRUE(dh == dh_bf16_only) << "dh";
+    EXPECT_TRUE(a == a_bf16_only) << "a";
+    EXPECT_EQ(std::memcmp(dp_got.data(), dp_bf16_only.data(), dp_got.size() * sizeof(float)), 0)
+        << "dp partials";
+    // Every row the GEMM writes (C's rows: all of them, pad rows included when padded).
+    expect_rows_quantizer_bits(args.c.data, args.c.rows, 2 * I, dh_fp8);
   }
 }
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUBackwardGpu, ::testing::ValuesIn(fp8_cases()),
@@ -381,6 +456,41 @@ TEST(Fp8GemmArgs, RejectsBadShapes) {
   w.n = 128;
   w.padded_rows = 100;
   EXPECT_THROW(megamoe::sm90::k_grouped_fp8_gemm_tn(w, nullptr), megamoe::Error);
+}
+
+TEST(Fp8GemmArgs, RejectsBadDhRows) {
+  // Checked before anything is read: host pointers stand in for the device operands.
+  alignas(16) static unsigned char fake[64];
+  megamoe::sm90::MGroupedFp8GemmArgs args;
+  args.k = 128;
+  args.n = 128;
+  args.c = {reinterpret_cast<__nv_bfloat16*>(fake), 256, 8, RowLayout::kPadded};
+  megamoe::sm90::SwiGLUGradArgs g;
+  g.h = reinterpret_cast<const __nv_bfloat16*>(fake);
+  g.slot_weights = reinterpret_cast<const float*>(fake);
+  g.row_slot = reinterpret_cast<const int32_t*>(fake);
+  g.dp_partial = reinterpret_cast<float*>(fake);
+  megamoe::sm90::Fp8RowsOut dh;
+  dh.data = reinterpret_cast<__nv_fp8_e4m3*>(fake);
+  dh.scales = reinterpret_cast<float*>(fake);
+  const auto call = [&] {
+    megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, g, dh, nullptr);
+  };
+  dh.scale_ld = 10;  // not a multiple of 4
+  megamoe_test::expect_invalid(call, "dh_fp8.scale_ld");
+  dh.scale_ld = 4;  // fewer than dh's 8 rows
+  megamoe_test::expect_invalid(call, "dh_fp8.scale_ld");
+  dh.scale_ld = 8;
+  dh.data = reinterpret_cast<__nv_fp8_e4m3*>(fake + 1);
+  megamoe_test::expect_invalid(call, "dh_fp8.data");
+  dh.data = reinterpret_cast<__nv_fp8_e4m3*>(fake);
+  dh.scales = reinterpret_cast<float*>(fake + 4);
+  megamoe_test::expect_invalid(call, "dh_fp8.scales");
+  dh.scales = nullptr;
+  megamoe_test::expect_invalid(call, "dh_fp8.scales");
+  dh.data = nullptr;
+  dh.scales = reinterpret_cast<float*>(fake);
+  megamoe_test::expect_invalid(call, "dh_fp8.scales");
 }
 
 }  // namespace

@@ -115,14 +115,19 @@ UNFUSED_COLS_CASES = GATHER_A_CASES + [
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("T,H,I,E,k,extra", UNFUSED_COLS_CASES)
-def test_fused_fp8_columns_match_the_unfused_path(T, H, I, E, k, extra, precision, mode,
-                                                  monkeypatch):
-    """The weight gradients' p dy and x column-quantized straight from the token matrices
-    (the default) and MEGAMOE_FP8_UNFUSED_COLS=1 (gathered into padded bf16 rows first, then
-    column-quantized; read by the library on every call): the same values and scales into
-    the same GEMMs, so y and every gradient have the same bits."""
+@pytest.mark.parametrize("variable", ["MEGAMOE_FP8_UNFUSED_COLS", "MEGAMOE_FP8_UNFUSED_DH"])
+def test_fused_fp8_quantization_matches_the_unfused_path(variable, T, H, I, E, k, extra,
+                                                         precision, mode, monkeypatch):
+    """A quantization fused into a neighbouring kernel (the default) and the unfused path a
+    diagnostic switch brings back (read by the library on every call):
+    MEGAMOE_FP8_UNFUSED_COLS=1: the weight gradients' p dy and x gathered into padded bf16
+    rows first and column-quantized from there, not straight from the token matrices;
+    MEGAMOE_FP8_UNFUSED_DH=1: dh's 1x128 e4m3 rows for the L1 dgrad written by the rows
+    quantizer after the L2 dgrad, not by its epilogue (I = 256 runs its 256-wide tiles, 128
+    and 384 the 128-wide ones). The same values and scales into the same GEMMs, so y and
+    every gradient have the same bits."""
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 37, **extra)
-    _check_switch_keeps_the_bits(p, "MEGAMOE_FP8_UNFUSED_COLS", precision, mode, monkeypatch)
+    _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch)
 
 def test_weight_gradient_accumulators_add_the_same_gradients():
     p = make_problem(600, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=3)
