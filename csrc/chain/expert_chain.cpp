@@ -187,6 +187,15 @@ sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens, in
   return {out.q, r.rows, RowLayout::kSorted, nullptr, out.scales, out.scale_ld};
 }
 
+// MEGAMOE_FP8_UNFUSED_ACT set (and not "0"): the FP8 forward's L1 writes the activation in
+// bf16 and quantize_rows makes L2's e4m3 rows of it, instead of its epilogue writing them
+// (m_grouped_fp8_gemm_nt_swiglu with Fp8RowsOut). A diagnostic, for an A/B of the two on
+// the GPU; the bits are the same. Read on every call, as MEGAMOE_FP8_GATHER_A.
+bool fp8_unfused_activation() {
+  const char* v = std::getenv("MEGAMOE_FP8_UNFUSED_ACT");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
 }  // namespace
 
 ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t tokens, int64_t H,
@@ -207,10 +216,18 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_forward()) {
     const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, H, b.x_fp8, stream);
-    sm90::m_grouped_fp8_gemm_nt_swiglu(
-        over_rows(rows, x, as_b(w.fp8_gate_up, 2 * I, H, false), H, I, b.activation), saved_h,
-        stream);
-    quantize_rows(b.activation, rows.rows, I, b.activation_fp8, stream);
+    const sm90::Fp8Weights gate_up = as_b(w.fp8_gate_up, 2 * I, H, false);
+    // L2's A straight from L1's epilogue where its tiles allow (A by TMA), else through the
+    // bf16 activation.
+    if (sm90::fp8_swiglu_quantizes(I, x.gather != nullptr) && !fp8_unfused_activation()) {
+      sm90::m_grouped_fp8_gemm_nt_swiglu(
+          over_rows(rows, x, gate_up, H, I, nullptr), saved_h,
+          {b.activation_fp8.q, b.activation_fp8.scales, b.activation_fp8.scale_ld}, stream);
+    } else {
+      sm90::m_grouped_fp8_gemm_nt_swiglu(over_rows(rows, x, gate_up, H, I, b.activation),
+                                         saved_h, stream);
+      quantize_rows(b.activation, rows.rows, I, b.activation_fp8, stream);
+    }
     const sm90::MGroupedFp8A activation{b.activation_fp8.q, rows.rows, RowLayout::kSorted,
                                         nullptr, b.activation_fp8.scales,
                                         b.activation_fp8.scale_ld};

@@ -16,14 +16,16 @@
 // the backward's only. Each GEMM's A is quantized once from bf16 just before it: x and dy
 // straight into the sorted rows (each token read and its scales computed once, its e4m3 row
 // written to every row it is routed to, so that the GEMMs read A by TMA: a gather producer
-// cannot feed FP8's k-block rate), the activation and dh as rows, and the weight gradients'
-// operands token-contiguous per 128 rows (quantize_fp8.h), p dy and x among them straight
-// from the token matrices through the padded layout (no bf16 padded copy).
-// MEGAMOE_FP8_GATHER_A=1 (read on every call) quantizes x and dy as token matrices instead
-// and gathers the GEMMs' A rows, and MEGAMOE_FP8_UNFUSED_COLS=1 gathers p dy and x into
-// token_rows in bf16 before their column quantization, for A/Bs on the GPU: the same bits
-// either way. The weights' FP8 copies are
-// the caller's (quantized once per optimizer step).
+// cannot feed FP8's k-block rate), dh as rows, and the weight gradients' operands
+// token-contiguous per 128 rows (quantize_fp8.h), p dy and x among them straight from the
+// token matrices through the padded layout (no bf16 padded copy). The activation leaves the
+// FP8 L1's epilogue already as L2's e4m3 rows (wide tiles; with a gathered A, as bf16 rows
+// quantized after). MEGAMOE_FP8_GATHER_A=1 (read on every call) quantizes x and dy as token
+// matrices instead and gathers the GEMMs' A rows, MEGAMOE_FP8_UNFUSED_COLS=1 gathers p dy
+// and x into token_rows in bf16 before their column quantization, and
+// MEGAMOE_FP8_UNFUSED_ACT=1 writes the activation in bf16 and quantizes it after, for A/Bs
+// on the GPU: the same bits either way. The weights' FP8 copies are the caller's (quantized
+// once per optimizer step).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -110,7 +112,9 @@ struct WeightGrad {
 };
 
 struct ForwardBuffers {
-  __nv_bfloat16* activation;  // [rows, I] silu(gate) * up
+  // [rows, I] silu(gate) * up. kFp8: written only where L1 cannot write activation_fp8
+  // itself (a gathered A, MEGAMOE_FP8_UNFUSED_ACT), which is decided per call: carved always.
+  __nv_bfloat16* activation;
   __nv_bfloat16* out;         // [rows, H] the L2 output rows
   // kFp8: x's sorted rows [rows, H] (MEGAMOE_FP8_GATHER_A: the token matrix [tokens, H]),
   // in out's bytes: L2 writes out after L1 has read them.

@@ -3,7 +3,8 @@
 // quantization: every A layout, sorted and padded C, both scale layouts of B (W and the W^T
 // reading of W's scales), the SwiGLU and SwiGLU-backward epilogues, and the weight gradient,
 // over empty experts and ragged tails, with NaN-poisoned outputs and scales that differ per
-// block. Skipped without a GPU.
+// block; and the SwiGLU output written as FP8 rows against the bf16 one quantized by the rows
+// quantizer, bit for bit. Skipped without a GPU.
 //
 // The bound, 1e-3: an output rounded to bf16 can be no closer to the exact product than its
 // own rounding (~1.3e-3 in the Frobenius norm), so a bf16 output is held to 1e-3 of error
@@ -13,11 +14,13 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
 #include "gemm_test_util.h"
+#include "kernels/common/quantize_fp8.h"
 #include "kernels/sm90/gemm_fp8.h"
 
 namespace {
@@ -242,6 +245,110 @@ TEST_P(Fp8SwiGLUGpu, MatchesDequantizedProduct) {
 }
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUGpu, ::testing::ValuesIn(fp8_cases()), fp8_case_name);
 
+// The SwiGLU output as FP8 rows (Fp8RowsOut) is the bf16 C of the same GEMM quantized by
+// quantize_fp8 (kRows1x128), bit for bit, values and scales, with h alongside as the bf16
+// call writes it; rows without an expert row (pad rows) are left as they were. A comes by
+// TMA (the FP8 rows need the wide tiles). Among the rows: one of A all zeros (an all-zero
+// block: the scale of the amax floor) and two whose A scales are Inf (Inf and NaN
+// accumulators: non-finite blocks), in full and partial slabs.
+class Fp8SwiGLURowsGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {
+ protected:
+  // Sorted row r of A (stored as `layout`) all zeros, or with Inf scales.
+  void set_row(const HostGroups& g, ALayout layout, const Fp8A& a, int64_t k, int64_t r,
+               bool zero) {
+    const int64_t p = g.row_in(layout == ALayout::kPadded ? RowLayout::kPadded : RowLayout::kSorted, r);
+    if (zero) {
+      auto* data = const_cast<__nv_fp8_e4m3*>(a.device.data);
+      ASSERT_EQ(cudaMemset(data + p * k, 0, k), cudaSuccess);
+      return;
+    }
+    const float inf = INFINITY;
+    for (int64_t b = 0; b < k / 128; ++b) {
+      float* scale = const_cast<float*>(a.device.scales) + b * a.device.scale_ld + p;
+      ASSERT_EQ(cudaMemcpy(scale, &inf, sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+  template <class T>
+  T* poisoned(int64_t count) {
+    T* d = alloc<T>(count);
+    EXPECT_EQ(cudaMemset(d, 0xFF, count * sizeof(T)), cudaSuccess);
+    return d;
+  }
+};
+std::vector<Fp8Case> fp8_tma_cases() {
+  std::vector<Fp8Case> cases = fp8_cases();
+  cases.erase(std::remove_if(cases.begin(), cases.end(),
+                             [](const Fp8Case& c) { return c.a == ALayout::kGathered; }),
+              cases.end());
+  return cases;
+}
+
+TEST_P(Fp8SwiGLURowsGpu, EqualsTheQuantizedBf16Output) {
+  const Fp8Case& p = GetParam();
+  if (!megamoe::sm90::fp8_swiglu_quantizes(128, false)) GTEST_SKIP() << "no 256-wide tiles";
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const HostGroups g(megamoe_test::awkward_counts());
+  // Three 256-wide tiles (gate blocks 0, 1, 2) per expert.
+  const int64_t H = 384, I = 384, E = g.num_experts(), blocks = I / 128;
+  const Fp8A x = make_fp8_a(g, p.a, H, 300, rng);
+  // Expert 1 (200 rows): row 5, a full slab; expert 2 (77): row 70, the partial slab of the
+  // second warpgroup; expert 5 (131): its row 129, in the 3-row tile.
+  set_row(g, p.a, x, H, g.offsets[1] + 5, false);
+  set_row(g, p.a, x, H, g.offsets[2] + 70, false);
+  set_row(g, p.a, x, H, g.offsets[5] + 129, true);
+  const Fp8B w = make_fp8_b(E, 2 * I, H, p.transposed_scales, rng);
+  megamoe::sm90::MGroupedFp8GemmArgs args = fp8_args(g, x, w, H, I, I, p.c);
+  const int64_t rows = args.c.rows, scale_ld = (rows + 3) / 4 * 4 + 4;
+
+  __nv_bfloat16* h_bf16 = poisoned_bf16(rows * 2 * I);
+  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu(args, h_bf16, stream_);
+  megamoe::Fp8QuantizeArgs q;
+  q.x = args.c.data;
+  q.x_row = I;
+  q.rows = rows;
+  q.cols = I;
+  q.q = alloc<uint8_t>(rows * I);
+  q.q_row = I;
+  q.scales = alloc<float>(blocks * scale_ld);
+  q.s_0 = 1;
+  q.s_1 = scale_ld;
+  megamoe::quantize_fp8(megamoe::Fp8Blocks::kRows1x128, q, stream_);
+
+  __nv_bfloat16* h = poisoned_bf16(rows * 2 * I);
+  const megamoe::sm90::Fp8RowsOut out{reinterpret_cast<__nv_fp8_e4m3*>(poisoned<uint8_t>(rows * I)),
+                                      poisoned<float>(blocks * scale_ld), scale_ld};
+  args.c.data = nullptr;
+  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu(args, h, out, stream_);
+  CUDA_OK(cudaGetLastError());
+
+  const std::vector<uint8_t> ref_q = download(q.q, rows * I);
+  const std::vector<uint8_t> got_q = download(reinterpret_cast<const uint8_t*>(out.q), rows * I);
+  const std::vector<uint32_t> ref_s = download(reinterpret_cast<const uint32_t*>(q.scales), blocks * scale_ld);
+  const std::vector<uint32_t> got_s = download(reinterpret_cast<const uint32_t*>(out.scales), blocks * scale_ld);
+  std::vector<bool> used(rows, p.c == RowLayout::kSorted);
+  if (p.c == RowLayout::kPadded) used = g.padded_rows_used();
+  int64_t bad_q = 0, bad_s = 0, nonfinite = 0, zero = 0;
+  const float zero_scale = 0x1p-100f / 448.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint32_t want = used[r] ? ref_s[b * scale_ld + r] : 0xFFFFFFFFu;  // pad: untouched
+      bad_s += got_s[b * scale_ld + r] != want;
+      nonfinite += used[r] && want == 0x7FC00000u;
+      zero += used[r] && want == std::bit_cast<uint32_t>(zero_scale);
+    }
+    for (int64_t c = 0; c < I; ++c) bad_q += got_q[r * I + c] != (used[r] ? ref_q[r * I + c] : 0xFF);
+  }
+  EXPECT_EQ(bad_q, 0) << "e4m3 values";
+  EXPECT_EQ(bad_s, 0) << "scales";
+  EXPECT_GE(nonfinite, 2 * blocks) << "the Inf-scaled rows' blocks are non-finite";
+  EXPECT_GE(zero, blocks) << "the zero row's blocks take the amax floor";
+  EXPECT_TRUE(download_bf16(h, rows * 2 * I) == download_bf16(h_bf16, rows * 2 * I)) << "h";
+}
+INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLURowsGpu, ::testing::ValuesIn(fp8_tma_cases()),
+                         fp8_case_name);
+
 class Fp8SwiGLUBackwardGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {};
 
 TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
@@ -381,6 +488,47 @@ TEST(Fp8GemmArgs, RejectsBadShapes) {
   w.n = 128;
   w.padded_rows = 100;
   EXPECT_THROW(megamoe::sm90::k_grouped_fp8_gemm_tn(w, nullptr), megamoe::Error);
+}
+
+// The FP8-rows output's arguments, each bad one named (checked before anything runs; the
+// pointers are never read).
+TEST(Fp8GemmArgs, RejectsBadFp8RowsOutput) {
+  const auto fake = [](uintptr_t address) { return reinterpret_cast<void*>(address); };
+  megamoe::sm90::MGroupedFp8GemmArgs args;
+  args.k = 128;
+  args.n = 128;
+  args.a.rows = 1;
+  args.a.scales = static_cast<const float*>(fake(256));
+  args.a.scale_ld = 4;
+  args.b.scales = static_cast<const float*>(fake(256));
+  args.c = {nullptr, 128, 8, RowLayout::kSorted};
+  const megamoe::sm90::Fp8RowsOut good{static_cast<__nv_fp8_e4m3*>(fake(512)),
+                                       static_cast<float*>(fake(1024)), 8};
+  const auto call = [&](const megamoe::sm90::MGroupedFp8GemmArgs& a,
+                        const megamoe::sm90::Fp8RowsOut& out) {
+    return [a, out] { megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu(a, nullptr, out, nullptr); };
+  };
+  auto gathered = args;
+  gathered.a.gather = static_cast<const int32_t*>(fake(256));
+  megamoe_test::expect_invalid(call(gathered, good), "args.a.gather");
+  if (!megamoe::sm90::fp8_swiglu_quantizes(args.n, false)) {
+    megamoe_test::expect_invalid(call(args, good), "MEGAMOE_GEMM_MAX_BLOCK_N");
+    return;
+  }
+  auto with_c = args;
+  with_c.c.data = static_cast<__nv_bfloat16*>(fake(256));
+  megamoe_test::expect_invalid(call(with_c, good), "args.c.data");
+  auto out = good;
+  out.q = nullptr;
+  megamoe_test::expect_invalid(call(args, out), "out.q");
+  out = good;
+  out.scales = static_cast<float*>(fake(1028));
+  megamoe_test::expect_invalid(call(args, out), "16-byte aligned");
+  out = good;
+  out.scale_ld = 6;
+  megamoe_test::expect_invalid(call(args, out), "out.scale_ld");
+  out.scale_ld = 4;  // below args.c.rows
+  megamoe_test::expect_invalid(call(args, out), "out.scale_ld");
 }
 
 }  // namespace

@@ -113,23 +113,34 @@ def _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch, regr
             assert torch.equal(g_default[name], g_switched[name]), name
 
 
-UNFUSED_COLS_CASES = GATHER_A_CASES + [
+UNFUSED_CASES = GATHER_A_CASES + [
     (600, 256, 128, 4, 1, dict(skip_experts=(0, 1, 2))),  # every row on one expert, k = 1
     (333, 128, 128, 16, 4, dict(one_expert=5)),  # one expert, the other slots dropped
 ]
 
 
+# A switch that unfuses a quantization, with the precisions it changes anything in: the
+# activation is quantized only by fp8's forward (fp8_bwd's forward is the bf16 one).
+UNFUSED_SWITCHES = [("MEGAMOE_FP8_UNFUSED_COLS", precision) for precision in PRECISIONS] + [
+    ("MEGAMOE_FP8_UNFUSED_ACT", "fp8")]
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("T,H,I,E,k,extra", UNFUSED_COLS_CASES)
-def test_fused_fp8_columns_match_the_unfused_path(T, H, I, E, k, extra, precision, mode,
-                                                  monkeypatch):
-    """The weight gradients' p dy and x column-quantized straight from the token matrices
-    (the default) and MEGAMOE_FP8_UNFUSED_COLS=1 (gathered into padded bf16 rows first, then
-    column-quantized; read by the library on every call): the same values and scales into
-    the same GEMMs, so y and every gradient have the same bits."""
+@pytest.mark.parametrize("variable,precision", UNFUSED_SWITCHES)
+@pytest.mark.parametrize("T,H,I,E,k,extra", UNFUSED_CASES)
+def test_fused_fp8_quantization_matches_the_unfused_path(T, H, I, E, k, extra, variable,
+                                                         precision, mode, monkeypatch):
+    """A quantization fused into what feeds it (the default) and its unfused path, set by
+    the switch (read by the library on every call), give the same values and scales to the
+    same GEMMs, so y and every gradient have the same bits.
+    MEGAMOE_FP8_UNFUSED_COLS=1: the weight gradients' p dy and x gathered into padded bf16
+    rows first, then column-quantized, instead of column-quantized straight from the token
+    matrices. MEGAMOE_FP8_UNFUSED_ACT=1: the forward L1 writes the activation in bf16 and
+    it is then quantized into L2's rows, instead of L1's epilogue writing those rows (in
+    the saved mode alongside h)."""
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 37, **extra)
-    _check_switch_keeps_the_bits(p, "MEGAMOE_FP8_UNFUSED_COLS", precision, mode, monkeypatch)
+    _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch)
+
 
 def test_weight_gradient_accumulators_add_the_same_gradients():
     p = make_problem(600, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=3)

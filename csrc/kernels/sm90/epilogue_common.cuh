@@ -88,32 +88,89 @@ __device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value) {
   }
 }
 
-// A full slab's kCols columns (value(q, half, j)) through the staging buffer and TMA stores
-// to (col.., row..) of `map`, which drain while the warpgroup goes on to the next tile's
-// MMAs. Thread 0 of the warpgroup owns the bulk stores; the buffer is reused only once its
-// previous stores have read it.
-template <int kCols, class Value>
-__device__ __forceinline__ void store_slab_staged(const CUtensorMap& map, uint8_t* staging,
-                                                  int consumer, int col, int row,
-                                                  Value&& value) {
+// A full slab through the staging buffer and TMA stores: stage(staging) writes kBoxes
+// boxes of 64 rows x 128 bytes (kStoreBoxBytes apart, each 128-byte swizzled), box b going
+// to (col + b * kBoxCols, row..) of `map`. The stores drain while the warpgroup goes on to
+// the next tile's MMAs. Thread 0 of the warpgroup owns the bulk stores; the buffer is
+// reused only once its previous stores have read it.
+template <int kBoxes, int kBoxCols, class Stage>
+__device__ __forceinline__ void store_boxes_staged(const CUtensorMap& map, uint8_t* staging,
+                                                   int consumer, int col, int row,
+                                                   Stage&& stage) {
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) bulk_wait_group_read_all();
   consumer_barrier_sync(consumer);
-  stage_chunks<kCols / 8>(staging, value);
+  stage(staging);
   fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
   consumer_barrier_sync(consumer);
   if (leader) {
 #pragma unroll
-    for (int box = 0; box < kCols / kStoreBoxCols; ++box) {
-      tma_store_2d(&map, staging + box * kStoreBoxBytes, col + box * kStoreBoxCols, row);
+    for (int box = 0; box < kBoxes; ++box) {
+      tma_store_2d(&map, staging + box * kStoreBoxBytes, col + box * kBoxCols, row);
     }
     bulk_commit_group();
   }
+}
+
+// A full slab's kCols bf16 columns (value(q, half, j)) to (col.., row..) of `map`.
+template <int kCols, class Value>
+__device__ __forceinline__ void store_slab_staged(const CUtensorMap& map, uint8_t* staging,
+                                                  int consumer, int col, int row,
+                                                  Value&& value) {
+  store_boxes_staged<kCols / kStoreBoxCols, kStoreBoxCols>(
+      map, staging, consumer, col, row,
+      [&](uint8_t* buffer) { stage_chunks<kCols / 8>(buffer, value); });
 }
 
 // The end of every epilogue that stores by TMA: shared memory must outlive the last stores.
 __device__ __forceinline__ void wait_for_tma_stores() {
   if (threadIdx.x % 128 == 0) bulk_wait_group_all();
 }
+
+// The frame of an output that writes each tile's 64-row slab per warpgroup (StoreEpilogue,
+// Fp8RowsEpilogue) of the output values Values gives (kCols columns, from the B tile
+// kBColumns): its staging buffer (a bf16 slab per consumer warpgroup), the row layout, and
+// store()'s choice between Derived's store_staged (a full slab) and store_direct (rows past
+// the expert's end: masked stores from registers). The accessors serve the epilogues built
+// on an output (the saved h stages in its buffer).
+template <class Derived, int kBlockN_, class Values>
+class SlabOutput {
+ public:
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kOutCols = Values::kCols;
+  static constexpr BColumns kBColumns = Values::kBColumns;
+
+  struct Buffers {
+    uint8_t staging[2][64 * kOutCols * 2];
+  };
+  struct Barriers {};
+  __device__ __forceinline__ static void init(Barriers&) {}
+
+  __device__ __forceinline__ SlabOutput(Buffers& buffers, int consumer, bool padded)
+      : staging_(buffers.staging[consumer]), consumer_(consumer), padded_(padded) {}
+
+  __device__ __forceinline__ void begin_tile(const Tile&) {}
+  __device__ __forceinline__ void store(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    Derived& self = *static_cast<Derived*>(this);
+    if (full_slab(t)) {
+      self.store_staged(t, acc);
+    } else {
+      self.store_direct(t, acc);
+    }
+  }
+  __device__ __forceinline__ void finish() { wait_for_tma_stores(); }
+
+  __device__ __forceinline__ bool full_slab(const Tile& t) const {
+    return t.rows - consumer_ * 64 >= 64;
+  }
+  __device__ __forceinline__ uint8_t* staging() const { return staging_; }
+  __device__ __forceinline__ int consumer() const { return consumer_; }
+  __device__ __forceinline__ bool padded() const { return padded_; }
+
+ private:
+  uint8_t* staging_;
+  int consumer_;
+  bool padded_;
+};
 
 }  // namespace megamoe::sm90

@@ -27,11 +27,11 @@ struct AccumulatorValues {
 };
 
 template <int kBlockN_, class Values = AccumulatorValues<kBlockN_>>
-class StoreEpilogue {
+class StoreEpilogue : public SlabOutput<StoreEpilogue<kBlockN_, Values>, kBlockN_, Values> {
+  using Base = SlabOutput<StoreEpilogue, kBlockN_, Values>;
+
  public:
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kOutCols = Values::kCols;
-  static constexpr BColumns kBColumns = Values::kBColumns;
+  using Base::kBlockN, Base::kOutCols;
 
   struct Params {
     CUtensorMap map;  // C in 64 x 64 boxes
@@ -44,44 +44,20 @@ class StoreEpilogue {
     return {make_tensor_map(c, rows, ld, 64), c, ld, padded};
   }
 
-  struct Buffers {
-    uint8_t staging[2][64 * kOutCols * 2];  // one 64-row slab per consumer warpgroup
-  };
-  struct Barriers {};
-  __device__ __forceinline__ static void init(Barriers&) {}
-
-  __device__ __forceinline__ StoreEpilogue(const Params& p, Buffers& buffers, Barriers&,
-                                           int consumer)
-      : map_(p.map),
-        c_(p.c),
-        ld_(p.ld),
-        padded_(p.padded),
-        staging_(buffers.staging[consumer]),
-        consumer_(consumer) {}
-
-  __device__ __forceinline__ void begin_tile(const Tile&) {}
-
-  __device__ __forceinline__ void store(const Tile& t, const float (&acc)[kBlockN / 2]) {
-    if (full_slab(t)) {
-      store_staged(t, acc);
-    } else {
-      store_direct(t, acc);
-    }
-  }
-  __device__ __forceinline__ void finish() { wait_for_tma_stores(); }
+  __device__ __forceinline__ StoreEpilogue(const Params& p, typename Base::Buffers& buffers,
+                                           typename Base::Barriers&, int consumer)
+      : Base(buffers, consumer, p.padded), map_(p.map), c_(p.c), ld_(p.ld) {}
 
   // The parts of store(), for the epilogues built on this one.
-  __device__ __forceinline__ bool full_slab(const Tile& t) const {
-    return t.rows - consumer_ * 64 >= 64;
-  }
   __device__ __forceinline__ void store_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
-    store_slab_staged<kOutCols>(map_, staging_, consumer_, t.n_tile * kOutCols,
-                                t.row(padded_) + consumer_ * 64,
+    const int consumer = this->consumer();
+    store_slab_staged<kOutCols>(map_, this->staging(), consumer, t.n_tile * kOutCols,
+                                t.row(this->padded()) + consumer * 64,
                                 [&](int q, int half, int j) { return Values::get(acc, q, half, j); });
   }
   __device__ __forceinline__ void store_direct(const Tile& t, const float (&acc)[kBlockN / 2]) {
-    const int slab = consumer_ * 64;
-    __nv_bfloat16* base = c_ + int64_t(t.row(padded_) + slab) * ld_ + t.n_tile * kOutCols;
+    const int slab = this->consumer() * 64;
+    __nv_bfloat16* base = c_ + int64_t(t.row(this->padded()) + slab) * ld_ + t.n_tile * kOutCols;
     for_each_output<kOutCols>(
         [&](int q, int half, int j) { return Values::get(acc, q, half, j); },
         [&](int r, int c, float v0, float v1) {
@@ -91,9 +67,6 @@ class StoreEpilogue {
           }
         });
   }
-  __device__ __forceinline__ uint8_t* staging() const { return staging_; }
-  __device__ __forceinline__ int consumer() const { return consumer_; }
-  __device__ __forceinline__ bool padded() const { return padded_; }
 
  private:
   // Scalars are copied out of the params (epilogue_common.cuh says why); the map is used in
@@ -101,9 +74,6 @@ class StoreEpilogue {
   const CUtensorMap& map_;
   __nv_bfloat16* c_;
   int64_t ld_;
-  bool padded_;
-  uint8_t* staging_;
-  int consumer_;
 };
 
 }  // namespace megamoe::sm90

@@ -1,7 +1,8 @@
-// SwiGLU with the saved h: the SwiGLU epilogue, and when Params::h is set also
+// SwiGLU with the saved h: the SwiGLU output (Out: the bf16 C of SwiGLUEpilogue, or the e4m3
+// rows of epilogue_fp8_rows.cuh that the FP8 L2 reads), and when Params::h is set also
 //   h[r, n0 + c] = gate, h[r, I + n0 + c] = up    (h = [gate | up], [rows, 2I], C's row layout)
 // the L1 output before the activation, which the backward then reads instead of recomputing
-// L1. One kernel serves both: h is optional per call.
+// L1. One kernel serves both: h is optional per call. h is staged in Out's buffer.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,19 +10,19 @@
 #include <cstdint>
 
 #include "kernels/sm90/epilogue_swiglu.cuh"
+#include "kernels/sm90/tensor_map.h"
 
 namespace megamoe::sm90 {
 
-template <int kBlockN_>
+template <int kBlockN_, class Out = SwiGLUEpilogue<kBlockN_>>
 class SwiGLUSavedHEpilogue {
-  using Out = SwiGLUEpilogue<kBlockN_>;
-
  public:
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kOutCols = Out::kOutCols;
   static constexpr BColumns kBColumns = Out::kBColumns;
   static constexpr int kHalf = kBlockN / 2;  // gate (or up) columns of the tile
-  static_assert(kHalf == kOutCols);          // an h half fills the staging buffer as C does
+  static_assert(kHalf == kOutCols);
+  static_assert(sizeof(typename Out::Buffers) >= 2 * 64 * kHalf * 2, "a bf16 h half per slab");
 
   struct Params {
     typename Out::Params out;

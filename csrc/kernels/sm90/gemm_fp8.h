@@ -57,6 +57,26 @@ void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream)
 void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& args, __nv_bfloat16* h,
                                   cudaStream_t stream);
 
+// The SwiGLU output quantized for an FP8 GEMM that reads it as its A (MGroupedFp8A): e4m3
+// rows q [c.rows, n] (row-major, ld = n) in C's row layout with 1x128 scales, the scale of
+// row r's block j (columns 128j..) at scales[j * scale_ld + r]; q and scales 16-byte
+// aligned, scale_ld >= c.rows and a multiple of 4. The rows C would have are written, the
+// others are left as they are.
+struct Fp8RowsOut {
+  __nv_fp8_e4m3* q = nullptr;
+  float* scales = nullptr;
+  int64_t scale_ld = 0;
+};
+
+// The same GEMM writing `out` instead of a bf16 C (args.c gives the rows and their layout;
+// c.data must be null): the bits of the bf16 C quantized by quantize_fp8 (kRows1x128), in
+// one pass. Only where a tile's output columns are one 1x128 block, the 256-wide tiles:
+// fp8_swiglu_quantizes(n, gathered) says whether a call can (A by TMA, this build's tiles
+// wide); the others are rejected.
+void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& args, __nv_bfloat16* h,
+                                  const Fp8RowsOut& out, cudaStream_t stream);
+bool fp8_swiglu_quantizes(int64_t n, bool gathered);
+
 // The dgrad of L2 with the SwiGLU backward, as m_grouped_gemm_nn_swiglu_backward, with
 // b = W_down^T [E * I, H] (k = H, n = I, a multiple of 128) and dp_partial
 // [groups.rows, fp8_swiglu_backward_dp_columns(I, A gathered)]: one partial per N-tile, and

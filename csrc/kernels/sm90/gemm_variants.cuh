@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include "kernels/sm90/epilogue_fp8_rows.cuh"
 #include "kernels/sm90/epilogue_store.cuh"
 #include "kernels/sm90/epilogue_swiglu_backward.cuh"
 #include "kernels/sm90/epilogue_swiglu_saved_h.cuh"
@@ -55,15 +56,19 @@ using KGroupedGemmTn =
 // Blockwise FP8 (gemm_fp8.h): B K-major, weights scaled per 128 x 128 block. 256-wide tiles
 // where N allows and A comes by TMA (the gathering producer needs more registers than the
 // wide consumers leave it), 128-wide otherwise; the weight gradients' B scaled per row like
-// A.
+// A. The SwiGLU L1 writes its output in bf16 or, with kFp8Rows (wide tiles only: a row's
+// 128 output columns are then one 1x128 block), as the e4m3 rows the FP8 L2 reads.
 template <int kBlockN, BColumns kColumns = BColumns::kContiguous>
 using WeightScales = MainloopFp8<BScales::kBlocks128, kColumns, kBlockN>;
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNt = MGroupedGemm<WeightScales<kBlockN>, kGathered, StoreEpilogue<kBlockN>>;
-template <int kBlockN, bool kGathered>
+template <int kBlockN, bool kFp8Rows>
+using SwiGLUOutput = std::conditional_t<kFp8Rows, Fp8RowsEpilogue<kBlockN, SwiGLUValues<kBlockN>>,
+                                        SwiGLUEpilogue<kBlockN>>;
+template <int kBlockN, bool kGathered, bool kFp8Rows = false>
 using MGroupedFp8GemmNtSwiGLU =
     MGroupedGemm<WeightScales<kBlockN, BColumns::kGateUpHalves>, kGathered,
-                 SwiGLUSavedHEpilogue<kBlockN>>;
+                 SwiGLUSavedHEpilogue<kBlockN, SwiGLUOutput<kBlockN, kFp8Rows>>>;
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLUBackward =
     MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;

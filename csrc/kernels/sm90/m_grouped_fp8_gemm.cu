@@ -91,25 +91,76 @@ void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& a, cudaStream_t stream) {
   });
 }
 
-void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h,
-                                  cudaStream_t stream) {
-  const std::string name = "m_grouped_fp8_gemm_nt_swiglu";
+namespace {
+
+// The checks of both SwiGLU entries.
+void check_swiglu(const MGroupedFp8GemmArgs& a, const std::string& name) {
   // A tile's 64 gate rows must lie in one 128-row scale block, and so must its up rows.
   if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": I (n) must be a positive multiple of 128");
   check_fp8(a, name);
-  if (a.groups.rows == 0) return;
-  // A 256-wide tile holds 128 gate and 128 up columns: I a multiple of 128 is enough.
+}
+
+// Launches the SwiGLU L1 with the output out_params(std::type_identity<Out>{}) gives, Out
+// the output part of the tile's epilogue (gemm_variants.cuh). A 256-wide tile holds 128
+// gate and 128 up columns: I a multiple of 128 is enough. The FP8 rows need the wide tile,
+// which the caller has checked.
+template <bool kFp8Rows, class OutParams>
+void launch_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h, OutParams&& out_params,
+                   cudaStream_t stream) {
   dispatch(a, wide_n(a.a.gather != nullptr, 2 * a.n), [&](auto block_n, auto gathered) {
-    using Gemm = MGroupedFp8GemmNtSwiGLU<decltype(block_n)::value, decltype(gathered)::value>;
-    using Epilogue = typename Gemm::Epilogue;
-    const auto b =
-        Gemm::BLoad::params(a.b.data, a.groups.num_experts * 2 * a.n, a.k, 2 * a.n, a.n);
-    const auto out = SwiGLUEpilogue<decltype(block_n)::value>::params(
-        a.c.data, a.c.rows, a.c.ld, a.c.layout == RowLayout::kPadded);
-    launch<Gemm>(a, b, a.n / Epilogue::kOutCols, a.n / 128,
-                 Epilogue::params(out, h, a.c.rows, a.n), stream);
+    constexpr int kBlockN = decltype(block_n)::value;
+    if constexpr (!kFp8Rows || (kBlockN == 256 && !decltype(gathered)::value)) {
+      using Gemm = MGroupedFp8GemmNtSwiGLU<kBlockN, decltype(gathered)::value, kFp8Rows>;
+      using Epilogue = typename Gemm::Epilogue;
+      const auto b =
+          Gemm::BLoad::params(a.b.data, a.groups.num_experts * 2 * a.n, a.k, 2 * a.n, a.n);
+      const auto out = out_params(std::type_identity<SwiGLUOutput<kBlockN, kFp8Rows>>{});
+      launch<Gemm>(a, b, a.n / Epilogue::kOutCols, a.n / 128,
+                   Epilogue::params(out, h, a.c.rows, a.n), stream);
+    }
   });
 }
+
+}  // namespace
+
+void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h,
+                                  cudaStream_t stream) {
+  check_swiglu(a, "m_grouped_fp8_gemm_nt_swiglu");
+  if (a.groups.rows == 0) return;
+  launch_swiglu<false>(a, h, [&](auto out) {
+    return decltype(out)::type::params(a.c.data, a.c.rows, a.c.ld,
+                                       a.c.layout == RowLayout::kPadded);
+  }, stream);
+}
+
+void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h,
+                                  const Fp8RowsOut& out, cudaStream_t stream) {
+  const std::string name = "m_grouped_fp8_gemm_nt_swiglu (FP8 rows out)";
+  check_swiglu(a, name);
+  if (a.a.gather != nullptr) {
+    throw_invalid(name + ": out needs 256-wide tiles, which a gathered A (args.a.gather) "
+                         "does not get: write a bf16 C and quantize it");
+  }
+  if (!fp8_swiglu_quantizes(a.n, false)) {
+    throw_invalid(name + ": out needs 256-wide tiles, and this build's are at most 128 wide "
+                         "(MEGAMOE_GEMM_MAX_BLOCK_N)");
+  }
+  if (a.c.data != nullptr) throw_invalid(name + ": args.c.data must be null (no bf16 C is written)");
+  if (!out.q || !out.scales) throw_invalid(name + ": null out.q or out.scales");
+  if (reinterpret_cast<uintptr_t>(out.q) % 16 || reinterpret_cast<uintptr_t>(out.scales) % 16) {
+    throw_invalid(name + ": out.q and out.scales must be 16-byte aligned");
+  }
+  if (out.scale_ld % 4 != 0 || out.scale_ld < a.c.rows) {
+    throw_invalid(name + ": out.scale_ld must be a multiple of 4 and at least args.c.rows");
+  }
+  if (a.groups.rows == 0) return;
+  launch_swiglu<true>(a, h, [&](auto output) {
+    return decltype(output)::type::params(out.q, out.scales, a.c.rows, a.n, out.scale_ld,
+                                          a.c.layout == RowLayout::kPadded);
+  }, stream);
+}
+
+bool fp8_swiglu_quantizes(int64_t n, bool gathered) { return wide_n(gathered, 2 * n); }
 
 void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const SwiGLUGradArgs& g,
                                            cudaStream_t stream) {
