@@ -108,7 +108,11 @@ def _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch, regr
     assert torch.equal(y_default, y_switched)
     for name in g_default:
         if name in regrouped:
-            torch.testing.assert_close(g_switched[name], g_default[name], rtol=1e-5, atol=1e-6)
+            # fp32 regrouping moves a sum by a few ulps of its largest terms: measured up to
+            # 9e-6 on entries of magnitude ~20, against 1e-5 of the largest entry here.
+            scale = g_default[name].abs().max().item()
+            torch.testing.assert_close(g_switched[name], g_default[name], rtol=1e-5,
+                                       atol=1e-5 * scale)
         else:
             assert torch.equal(g_default[name], g_switched[name]), name
 
