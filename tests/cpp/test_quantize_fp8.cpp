@@ -481,6 +481,18 @@ class QuantizeFp8GatheredColumns : public GpuTest {
     EXPECT_EQ(bad_q, 0);
     EXPECT_EQ(bad_s, 0);
   }
+
+  // check() on random routings of each case, without and with slot weights.
+  void check_cases(const std::vector<RoutingCase>& cases) {
+    for (const RoutingCase& c : cases) {
+      for (const bool weighted : {false, true}) {
+        const uint64_t seed = fresh_seed();
+        std::mt19937_64 rng(seed);
+        check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng),
+              weighted, seed);
+      }
+    }
+  }
 };
 
 }  // namespace
@@ -488,14 +500,7 @@ class QuantizeFp8GatheredColumns : public GpuTest {
 TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantize) {
   std::vector<RoutingCase> cases = routing_cases();
   cases.push_back({1000, 2, 128, 1, -1, 0});  // one expert: 2000 rows, 16 tiles, the last partial
-  for (const RoutingCase& c : cases) {
-    for (const bool weighted : {false, true}) {
-      const uint64_t seed = fresh_seed();
-      std::mt19937_64 rng(seed);
-      check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng),
-            weighted, seed);
-    }
-  }
+  check_cases(cases);
   // A token routed twice to the same expert; every slot dropped (no used tile at all).
   check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, true, fresh_seed());
   check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
@@ -510,14 +515,7 @@ TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantizeOnFewCtas) {
   for (const int sms : {1, 3}) {
     SCOPED_TRACE("SmLimit " + std::to_string(sms));
     const megamoe::SmLimit limit(sms);
-    for (const RoutingCase& c : cases) {
-      for (const bool weighted : {false, true}) {
-        const uint64_t seed = fresh_seed();
-        std::mt19937_64 rng(seed);
-        check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng),
-              weighted, seed);
-      }
-    }
+    check_cases(cases);
     check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
   }
 }
