@@ -112,15 +112,20 @@ void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
   quantize_fp8(Fp8Blocks::kColumns128, columns_args(x, padded_rows, cols, out), stream);
 }
 
+// A diagnostic switch of the FP8 chain: set to anything but "" or "0". Read on every call
+// (one getenv) so that a test can compare both paths in one process; a CUDA graph keeps the
+// path it was captured with.
+bool diagnostic_switch(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
 // MEGAMOE_FP8_UNFUSED_COLS set (and not "0"): the FP8 weight gradients' token-row operands
 // (p dy and x) are gathered into b.token_rows in bf16 (gather_rows_padded) and
 // column-quantized from there, instead of column-quantized straight from the token matrix
 // (quantize_fp8_columns_gathered). A diagnostic, for an A/B of the two on the GPU; the
-// bits are the same. Read on every call, as MEGAMOE_FP8_GATHER_A.
-bool fp8_unfused_columns() {
-  const char* v = std::getenv("MEGAMOE_FP8_UNFUSED_COLS");
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
+// bits are the same.
+bool fp8_unfused_columns() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_COLS"); }
 
 // The padded rows of the plan over a token matrix (x, or dy scaled by the rows' slot
 // weights: p dy), [padded_rows, cols] as gather_rows_padded writes them, quantized into
@@ -160,12 +165,8 @@ sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t N, int64_t K, bool transposed)
 // from a token-matrix copy (the producer's cp.async) instead of reading the sorted copy by
 // TMA. A diagnostic, for an A/B of the two paths on the GPU: the same bits, but for
 // d topk_weights (the gathering GEMMs run 128-wide tiles, and the L2 dgrad's dp sums one
-// partial per N-tile). Read on every call (one getenv) so that a test can compare both in
-// one process.
-bool fp8_gather_a() {
-  const char* v = std::getenv("MEGAMOE_FP8_GATHER_A");
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
+// partial per N-tile).
+bool fp8_gather_a() { return diagnostic_switch("MEGAMOE_FP8_GATHER_A"); }
 
 // The A operand of a GEMM over the rows on a token matrix (x or dy [tokens, cols]),
 // quantized into `out` (at least max(rows, tokens) rows): by default every token's row and
@@ -190,11 +191,8 @@ sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens, in
 // MEGAMOE_FP8_UNFUSED_ACT set (and not "0"): the FP8 forward's L1 writes the activation in
 // bf16 and quantize_rows makes L2's e4m3 rows of it, instead of its epilogue writing them
 // (m_grouped_fp8_gemm_nt_swiglu with Fp8RowsOut). A diagnostic, for an A/B of the two on
-// the GPU; the bits are the same. Read on every call, as MEGAMOE_FP8_GATHER_A.
-bool fp8_unfused_activation() {
-  const char* v = std::getenv("MEGAMOE_FP8_UNFUSED_ACT");
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
+// the GPU; the bits are the same.
+bool fp8_unfused_activation() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_ACT"); }
 
 }  // namespace
 
