@@ -118,7 +118,9 @@ struct MainloopFp8 {
       float sb[2] = {1.f, 1.f};
       if constexpr (!kBRowScales) {
         sb[0] = __ldg(b_rows[0] + kb * s_k_);
-        sb[1] = __ldg(b_rows[1] + kb * s_k_);
+        // A narrow contiguous tile lies in one block: its second scale is the first.
+        constexpr bool kTwoBlocks = kHalves == 2 || kBColumns == BColumns::kGateUpHalves;
+        sb[1] = kTwoBlocks ? __ldg(b_rows[1] + kb * s_k_) : sb[0];
       }
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       if constexpr (kGenericProxyA) fence_proxy_async_shared();
