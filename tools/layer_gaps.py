@@ -4,6 +4,7 @@ sleep kernel), and from a torch.profiler trace the kernels' busy time, their spa
 largest idle gaps between consecutive kernels (with the kernels on either side).
 
     python tools/layer_gaps.py --model qwen3-30b-a3b --tokens 16384 --backward-mode saved
+    python tools/layer_gaps.py --model qwen3-30b-a3b --precision fp8
 """
 
 import argparse
@@ -30,6 +31,7 @@ def step(args, tensors, marks=None):
     end = torch.cuda.Event(enable_timing=True)
     start.record()
     y = megamoe.moe(x, ids, p, w1, w2, backend=args.backend, check_ids=False,
+                    precision=args.precision,
                     **({"backward_mode": args.backward_mode} if args.backend == "fused" else {}))
     mid.record()
     y.backward(dy)
@@ -79,6 +81,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--backward-mode", default="saved")
+    parser.add_argument("--precision", default="bf16", help="bf16, fp8 or fp8_bwd")
     parser.add_argument("--sleep-cycles", type=float, default=4e9,
                         help="length of the sleep kernel that puts the CPU ahead (cycles)")
     args = parser.parse_args()
@@ -88,7 +91,7 @@ def main():
     fwd, bwd = timed(args, tensors, ahead=False)
     fwd_a, bwd_a = timed(args, tensors, ahead=True)
     busy, span, n, by_pair = kernel_gaps(args, tensors)
-    print(f"{args.backend} ({args.backward_mode}) {args.model} T={args.tokens}: medians of "
+    print(f"{args.backend} {args.precision} ({args.backward_mode}) {args.model} T={args.tokens}: medians of "
           f"{args.iters} steps")
     print(f"  events, as the bench:      fwd {fwd:.3f} ms  bwd {bwd:.3f} ms  sum {fwd + bwd:.3f}")
     print(f"  events, CPU put ahead:     fwd {fwd_a:.3f} ms  bwd {bwd_a:.3f} ms  "
