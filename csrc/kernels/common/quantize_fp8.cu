@@ -410,6 +410,38 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
   }
 }
 
+// quantize_fp8_rows_and_columns: each tile of x loaded once (the loads of the next tile in
+// flight while this one is quantized, as the looping kernels above) and quantized twice
+// from the same registers, 1x128 into `rows` and 128-row columns into `cols`. Each half is
+// quantize_fp8's code for its blocks on the same values, so each output has its kernel's
+// bits. Rows first: they need no shared memory, so the columns' reuse of it from tile to
+// tile stays as quantize_tile describes.
+__global__ void __launch_bounds__(kThreads, 2)
+    quantize_fp8_rows_and_columns_kernel(Fp8QuantizeArgs rows, Fp8QuantizeArgs cols,
+                                         int64_t row_tiles, int64_t col_tiles) {
+  __shared__ TileSmem sm;
+  const int32_t no_dests[kRowsPerThread] = {};
+  const int64_t tiles = rows.batches * row_tiles * col_tiles, stride = gridDim.x;
+  int64_t tile = blockIdx.x;
+  if (tile >= tiles) return;
+  uint4 v[kRowsPerThread];
+  TilePos pos = tile_pos(tile, row_tiles, col_tiles);
+  load_rows(rows, pos, v);
+  for (;;) {
+    const int64_t next = tile + stride;
+    const TilePos npos = tile_pos(next, row_tiles, col_tiles);
+    uint4 vn[kRowsPerThread];
+    if (next < tiles) load_rows(rows, npos, vn);
+    quantize_tile<Fp8Blocks::kRows1x128, false>(rows, pos, v, {}, no_dests, sm);
+    quantize_tile<Fp8Blocks::kColumns128, false>(cols, pos, v, {}, no_dests, sm);
+    if (next >= tiles) break;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
+    tile = next;
+    pos = npos;
+  }
+}
+
 [[maybe_unused]] const bool kPreloadable =
     register_kernel_module(&quantize_fp8_kernel<Fp8Blocks::kRows1x128>);
 
@@ -417,21 +449,29 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 [[noreturn]] void fail(const std::string& what) { throw_invalid("quantize_fp8: " + what); }
 
-void check_sizes(Fp8Blocks blocks, const Fp8QuantizeArgs& a) {
-  if (a.cols <= 0 || a.cols % kTile) fail("cols must be a positive multiple of 128");
-  if (a.rows < 0 || a.batches < 0) fail("negative rows or batches");
-  if (blocks == Fp8Blocks::kTiles128 && a.rows % kTile) fail("rows must be a multiple of 128");
+// `who` names the argument set in the messages of a call that takes two ("rows: ").
+void check_sizes(Fp8Blocks blocks, const Fp8QuantizeArgs& a, const std::string& who) {
+  if (a.cols <= 0 || a.cols % kTile) fail(who + "cols must be a positive multiple of 128");
+  if (a.rows < 0 || a.batches < 0) fail(who + "negative rows or batches");
+  if (blocks == Fp8Blocks::kTiles128 && a.rows % kTile) {
+    fail(who + "rows must be a multiple of 128");
+  }
 }
 
 // Pointers and strides of a call with work to do (frameworks hand out NULL for empty tensors).
-void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows) {
+void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows,
+                    const std::string& who) {
   const bool direct = a.q != nullptr, transposed = a.q_t != nullptr;
-  if (blocks == Fp8Blocks::kRows1x128 && (!direct || transposed)) fail("needs q and no q_t");
-  if (blocks == Fp8Blocks::kColumns128 && (direct || !transposed)) fail("needs q_t and no q");
-  if (blocks == Fp8Blocks::kTiles128 && !direct && !transposed) fail("needs q or q_t");
-  if (!a.x || !a.scales) fail("null pointer");
+  if (blocks == Fp8Blocks::kRows1x128 && (!direct || transposed)) {
+    fail(who + "needs q and no q_t");
+  }
+  if (blocks == Fp8Blocks::kColumns128 && (direct || !transposed)) {
+    fail(who + "needs q_t and no q");
+  }
+  if (blocks == Fp8Blocks::kTiles128 && !direct && !transposed) fail(who + "needs q or q_t");
+  if (!a.x || !a.scales) fail(who + "null pointer");
   if (!aligned16(a.x) || (direct && !aligned16(a.q)) || (transposed && !aligned16(a.q_t))) {
-    fail("x, q and q_t must be 16-byte aligned");
+    fail(who + "x, q and q_t must be 16-byte aligned");
   }
   // Strides of dimensions of size 1 are never used (rows past the first one, batches past
   // the first one), so only the others must keep the 16-byte vectors aligned (q's rows are
@@ -441,21 +481,22 @@ void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows) {
   if ((rows && a.x_row % 8) || (batches && a.x_batch % 8) ||
       (direct && ((q_rows && a.q_row % 16) || (batches && a.q_batch % 16))) ||
       (transposed && (a.t_row % 16 || (batches && a.t_batch % 16)))) {
-    fail("row and batch strides must be multiples of 16 bytes");
+    fail(who + "row and batch strides must be multiples of 16 bytes");
   }
 }
 
 int64_t row_tiles_of(const Fp8QuantizeArgs& a) { return (a.rows + kTile - 1) / kTile; }
 
 // The grid of a call with work to do; 0 for none. Checks the arguments.
-unsigned checked_grid(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows) {
-  check_sizes(blocks, a);
+unsigned checked_grid(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows,
+                      const std::string& who = "") {
+  check_sizes(blocks, a, who);
   if (a.batches == 0 || a.rows == 0) return 0;
-  check_pointers(blocks, a, to_rows);
+  check_pointers(blocks, a, to_rows, who);
   const int64_t tiles = a.batches * row_tiles_of(a) * (a.cols / kTile);
   if (tiles > INT_MAX) {
-    throw_invalid("quantize_fp8: " + std::to_string(tiles) + " tiles of 128 x 128, more than "
-                  "one launch can hold");
+    throw_invalid("quantize_fp8: " + who + std::to_string(tiles) +
+                  " tiles of 128 x 128, more than one launch can hold");
   }
   return static_cast<unsigned>(tiles);
 }
@@ -521,6 +562,27 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>;
   kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(a, row_tiles_of(a),
                                                                  a.cols / kTile, dests);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void quantize_fp8_rows_and_columns(const Fp8QuantizeArgs& rows, const Fp8QuantizeArgs& columns,
+                                   cudaStream_t stream) {
+  // The sizes first, so that a call with no work is checked as far as quantize_fp8 would.
+  check_sizes(Fp8Blocks::kRows1x128, rows, "rows: ");
+  check_sizes(Fp8Blocks::kColumns128, columns, "columns: ");
+  if (rows.x != columns.x || rows.x_row != columns.x_row || rows.x_batch != columns.x_batch ||
+      rows.batches != columns.batches || rows.rows != columns.rows ||
+      rows.cols != columns.cols) {
+    fail("rows and columns must quantize the same x (x, x_row, x_batch, batches, rows and "
+         "cols equal)");
+  }
+  const unsigned grid = checked_grid(Fp8Blocks::kRows1x128, rows, false, "rows: ");
+  checked_grid(Fp8Blocks::kColumns128, columns, false, "columns: ");  // the same tiles
+  if (grid == 0) return;
+  constexpr auto kernel = &quantize_fp8_rows_and_columns_kernel;
+  kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(rows, columns,
+                                                                 row_tiles_of(rows),
+                                                                 rows.cols / kTile);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
