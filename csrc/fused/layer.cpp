@@ -159,7 +159,9 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
   const chain::Rows rows = rows_of(plan, T, k, E, x, dy, topk_weights);
   const chain::Experts experts = experts_of(w_gate_up, w_down, H, I, fp8);
   const chain::BackwardBuffers& b = w.backward;
-  chain::backward_dgrad(rows, experts, saved_h, b, out.dx != nullptr, stream);
+  const chain::DgradDone done = chain::backward_dgrad(rows, experts, saved_h, b,
+                                                      out.dx != nullptr, stream,
+                                                      out.d_w_gate_up, out.d_w_down);
   if (out.dx != nullptr) {
     combine_rows(b.token_rows, H, plan.slot_row, nullptr, false, T, k, out.dx, stream);
   }
@@ -167,7 +169,7 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
     reduce_slot_partials(b.dp_partial, b.dp_parts, plan.slot_row, T * k, out.d_topk_weights,
                          stream);
   }
-  chain::backward_wgrad(rows, experts, b, out.d_w_gate_up, out.d_w_down, stream);
+  chain::backward_wgrad(rows, experts, b, out.d_w_gate_up, out.d_w_down, stream, done);
 }
 
 }  // namespace megamoe::fused

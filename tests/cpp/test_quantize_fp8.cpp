@@ -6,7 +6,8 @@
 // quantizing the token matrix and then gathering its rows, values and scales. And the
 // 128-row column quantizer reading a plan's padded rows straight from the token matrix
 // (quantize_fp8_columns_gathered): the bits of gather_rows_padded and then quantizing the
-// columns.
+// columns. And one matrix quantized into rows and columns in one pass
+// (quantize_fp8_rows_and_columns): the bits of the two separate quantizers.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +18,9 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -387,12 +391,15 @@ class QuantizeFp8GatheredColumns : public GpuTest {
   // (kColumns128) of it, against quantize_fp8_columns_gathered into poisoned outputs: every
   // byte of q_t and every scale of the used row blocks (below tile_offsets[E]) equal, and
   // the rest of both still poison.
+  // With `with_rows`, quantize_fp8_columns_gathered_and_rows in place of
+  // quantize_fp8_columns_gathered, and its sorted rows against quantize_fp8_to_rows through
+  // the plan's slot_row: every byte of both (poisoned alike) equal.
   void check(int64_t T, int64_t k, int64_t H, int64_t E, const std::vector<int32_t>& ids,
-             bool weighted, uint64_t seed) {
+             bool weighted, uint64_t seed, bool with_rows = false) {
     SEEDED(seed);
     SCOPED_TRACE("T=" + std::to_string(T) + " k=" + std::to_string(k) + " H=" +
                  std::to_string(H) + " E=" + std::to_string(E) +
-                 (weighted ? " weighted" : " unweighted"));
+                 (weighted ? " weighted" : " unweighted") + (with_rows ? " with rows" : ""));
     std::mt19937_64 rng(seed);
     const int64_t n = T * k, padded = megamoe::padded_rows_bound(n, E);
     const int64_t blocks = padded / 128;
@@ -450,7 +457,30 @@ class QuantizeFp8GatheredColumns : public GpuTest {
     src.row_slot = plan.row_slot;
     src.slot_weights = w_d;
     src.num_experts = E;
-    megamoe::quantize_fp8_columns_gathered(fused, src, stream_);
+    // The sorted rows (with_rows): [n, H], scales [H/128][ld].
+    const int64_t ld = (n + 3) / 4 * 4 + 4, row_scales = H / 128 * ld;
+    megamoe::Fp8QuantizeArgs rows_sep, rows_fused;
+    if (with_rows) {
+      megamoe::Fp8QuantizeArgs r;
+      r.x = x_d;
+      r.x_row = H;
+      r.rows = T;
+      r.cols = H;
+      r.q_row = H;
+      r.s_0 = 1;
+      r.s_1 = ld;
+      rows_sep = rows_fused = r;
+      for (megamoe::Fp8QuantizeArgs* o : {&rows_sep, &rows_fused}) {
+        o->q = alloc<uint8_t>(n * H);
+        o->scales = alloc<float>(row_scales);
+        CUDA_OK(cudaMemset(o->q, kPoisonByte, n * H));
+        CUDA_OK(cudaMemset(o->scales, 0x7b, row_scales * sizeof(float)));
+      }
+      megamoe::quantize_fp8_to_rows(rows_sep, {plan.slot_row, k}, stream_);
+      megamoe::quantize_fp8_columns_gathered_and_rows(fused, src, rows_fused, stream_);
+    } else {
+      megamoe::quantize_fp8_columns_gathered(fused, src, stream_);
+    }
 
     const std::vector<uint8_t> want_q = download(unfused.q_t, H * padded),
                                got_q = download(fused.q_t, H * padded);
@@ -480,16 +510,39 @@ class QuantizeFp8GatheredColumns : public GpuTest {
     }
     EXPECT_EQ(bad_q, 0);
     EXPECT_EQ(bad_s, 0);
+    if (!with_rows) return;
+    const std::vector<uint8_t> want_rq = download(rows_sep.q, n * H),
+                               got_rq = download(rows_fused.q, n * H);
+    const std::vector<float> want_rs = download(rows_sep.scales, row_scales),
+                             got_rs = download(rows_fused.scales, row_scales);
+    int64_t bad_rq = 0, bad_rs = 0;
+    for (int64_t i = 0; i < n * H; ++i) {
+      if (got_rq[i] != want_rq[i] && bad_rq++ < 5) {
+        ADD_FAILURE() << "sorted row " << i / H << " column " << i % H << ": "
+                      << int(got_rq[i]) << ", expected " << int(want_rq[i]);
+      }
+    }
+    for (int64_t i = 0; i < row_scales; ++i) {
+      if (std::memcmp(&got_rs[i], &want_rs[i], 4) != 0 && bad_rs++ < 5) {
+        uint32_t got, want;
+        std::memcpy(&got, &got_rs[i], 4);
+        std::memcpy(&want, &want_rs[i], 4);
+        ADD_FAILURE() << "scale of sorted row " << i % ld << " block " << i / ld << ": "
+                      << std::hex << got << ", expected " << want;
+      }
+    }
+    EXPECT_EQ(bad_rq, 0);
+    EXPECT_EQ(bad_rs, 0);
   }
 
   // check() on random routings of each case, without and with slot weights.
-  void check_cases(const std::vector<RoutingCase>& cases) {
+  void check_cases(const std::vector<RoutingCase>& cases, bool with_rows = false) {
     for (const RoutingCase& c : cases) {
       for (const bool weighted : {false, true}) {
         const uint64_t seed = fresh_seed();
         std::mt19937_64 rng(seed);
         check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng),
-              weighted, seed);
+              weighted, seed, with_rows);
       }
     }
   }
@@ -517,6 +570,32 @@ TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantizeOnFewCtas) {
     const megamoe::SmLimit limit(sms);
     check_cases(cases);
     check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
+  }
+}
+
+// quantize_fp8_columns_gathered_and_rows: the columns as above, and the sorted rows of the
+// unscaled token rows as quantize_fp8_to_rows writes them (dropped slots' rows, past
+// expert_offsets[E], untouched), on the same routings, with the kernel's CTAs looping.
+TEST_F(QuantizeFp8GatheredColumns, AndSortedRowsEqualTheSeparateQuantizers) {
+  std::vector<RoutingCase> cases = routing_cases();
+  cases.push_back({1000, 2, 128, 1, -1, 0});
+  check_cases(cases, true);
+  check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, true, fresh_seed(), true);
+  check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed(), true);
+  for (const int64_t k : {16, 17}) {  // as many slots per token as a half-warp has lanes, and more
+    const uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    check(70, k, 256, 64, random_ids(70, k, 64, 3, 9, rng), true, seed, true);
+  }
+}
+
+TEST_F(QuantizeFp8GatheredColumns, AndSortedRowsEqualTheSeparateQuantizersOnFewCtas) {
+  std::vector<RoutingCase> cases = routing_cases();
+  cases.push_back({700, 8, 512, 128, 9, 5});
+  for (const int sms : {1, 3}) {
+    SCOPED_TRACE("SmLimit " + std::to_string(sms));
+    const megamoe::SmLimit limit(sms);
+    check_cases(cases, true);
   }
 }
 
@@ -570,4 +649,334 @@ TEST(QuantizeFp8GatheredColumnsErrors, ArgumentsNamed) {
   s = src;
   s.slot_weights = reinterpret_cast<const float*>(x);  // weights without row_slot
   expect_invalid(call(good(), s), "null routing plan pointer");
+}
+
+// ---------------------------------------------------------------------------------------
+// One matrix quantized into 1x128 rows and 128-row columns in one pass
+// (quantize_fp8_rows_and_columns), as the FP8 backward quantizes dh.
+
+namespace {
+
+// A bf16 matrix [batches][rows][x_row] laid out as the backward's dh: `groups` of rows
+// (an expert's), each padded with zero rows to a multiple of 128 (none for an empty
+// group), then `tail` rows past the groups (the padded rows the plan does not use, which
+// the quantizers read as they are). Columns cols..x_row-1 are never read.
+struct RowsColumnsCase {
+  int64_t batches;
+  std::vector<int64_t> groups;
+  int64_t tail, cols, x_row;
+};
+
+int64_t case_rows(const RowsColumnsCase& c) {
+  int64_t rows = c.tail;
+  for (const int64_t n : c.groups) rows += (n + 127) / 128 * 128;
+  return rows;
+}
+
+// Each 128 x 128 tile of one of a few kinds that the two block shapes see differently:
+// all zeros; zeros and one value of bf16's largest magnitude; one NaN or one Inf in
+// normal values; bf16 subnormals only; and normal values whose magnitude changes from
+// row to row (so that a column block spans magnitudes a 1x128 block does not).
+std::vector<uint16_t> awkward_matrix(const RowsColumnsCase& c, std::mt19937_64& rng) {
+  const int64_t rows = case_rows(c);
+  std::normal_distribution<double> normal;
+  std::uniform_int_distribution<int> exponent(-30, 30), kind(0, 7), row_of(0, 127),
+      col_of(0, 127), subnormal(1, 0x7F), sign(0, 1);
+  std::vector<uint16_t> x(c.batches * rows * c.x_row, 0);
+  for (int64_t b = 0; b < c.batches; ++b) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 128) {
+      for (int64_t c0 = 0; c0 < c.cols; c0 += 128) {
+        const int what = kind(rng);
+        const int64_t one_r = r0 + row_of(rng), one_c = c0 + col_of(rng);
+        for (int64_t r = r0; r < std::min(rows, r0 + 128); ++r) {
+          const double magnitude = std::ldexp(1.0, exponent(rng));
+          for (int64_t col = c0; col < c0 + 128; ++col) {
+            uint16_t v = 0;
+            if (what == 2 || what == 3 || what >= 5) v = bf16_bits(normal(rng) * magnitude);
+            if (what == 4) v = static_cast<uint16_t>(subnormal(rng) | sign(rng) << 15);
+            if (r == one_r && col == one_c) {
+              if (what == 1) v = sign(rng) ? 0xFF7F : 0x7F7F;  // -+3.39e38
+              if (what == 2) v = 0x7FC0;                        // NaN
+              if (what == 3) v = sign(rng) ? 0xFF80 : 0x7F80;  // -+Inf
+            }
+            x[(b * rows + r) * c.x_row + col] = v;
+          }
+        }
+      }
+    }
+    // The groups' pad rows are zeros (as the dgrad writes dh).
+    int64_t r0 = 0;
+    for (const int64_t n : c.groups) {
+      const int64_t padded = (n + 127) / 128 * 128;
+      for (int64_t r = r0 + n; r < r0 + padded; ++r) {
+        std::fill_n(x.begin() + (b * rows + r) * c.x_row, c.x_row, uint16_t{0});
+      }
+      r0 += padded;
+    }
+  }
+  return x;
+}
+
+class QuantizeFp8RowsAndColumns : public GpuTest {
+ protected:
+  // quantize_fp8(kRows1x128) and quantize_fp8(kColumns128) of the case's matrix, each into
+  // poisoned outputs, against quantize_fp8_rows_and_columns into outputs poisoned the same
+  // way: every byte of both value copies and both scale arrays equal, pad bytes (strides
+  // wider than the rows, the scales' pad columns, rows past `rows`) included.
+  void check(const RowsColumnsCase& c, uint64_t seed) {
+    SEEDED(seed);
+    const int64_t rows = case_rows(c), B = c.batches, C = c.cols, blocks = C / 128;
+    const int64_t padded = (rows + 127) / 128 * 128;
+    SCOPED_TRACE("batches=" + std::to_string(B) + " rows=" + std::to_string(rows) +
+                 " cols=" + std::to_string(C) + " x_row=" + std::to_string(c.x_row) +
+                 " groups=" + std::to_string(c.groups.size()));
+    std::mt19937_64 rng(seed);
+    const std::vector<uint16_t> x = awkward_matrix(c, rng);
+    const auto* x_d = reinterpret_cast<const __nv_bfloat16*>(upload(x));
+
+    // Rows: [b][rows][q_row] with q_row past cols, scales [b][blocks][ld].
+    const int64_t q_row = C + 16, ld = (rows + 3) / 4 * 4 + 4;
+    const int64_t q_bytes = B * std::max<int64_t>(rows, 1) * q_row, s_rows = B * blocks * ld;
+    // Columns: [b][cols][t_row] with t_row past the padded rows, scales [b][padded/128][C].
+    const int64_t t_row = padded + 16;
+    const int64_t t_bytes = B * C * t_row, s_cols = B * (padded / 128) * C + 4;
+
+    struct Outputs {
+      uint8_t *q, *q_t;
+      float *s_rows, *s_cols;
+    };
+    const auto poisoned = [&](Outputs& o) {
+      o = {alloc<uint8_t>(q_bytes), alloc<uint8_t>(t_bytes), alloc<float>(s_rows),
+           alloc<float>(s_cols)};
+      CUDA_OK(cudaMemset(o.q, kPoisonByte, q_bytes));
+      CUDA_OK(cudaMemset(o.q_t, kPoisonByte, t_bytes));
+      CUDA_OK(cudaMemset(o.s_rows, 0x7b, s_rows * sizeof(float)));
+      CUDA_OK(cudaMemset(o.s_cols, 0x7b, s_cols * sizeof(float)));
+    };
+    const auto args = [&](const Outputs& o) {
+      megamoe::Fp8QuantizeArgs a;
+      a.x = x_d;
+      a.x_row = c.x_row;
+      a.x_batch = rows * c.x_row;
+      a.batches = B;
+      a.rows = rows;
+      a.cols = C;
+      megamoe::Fp8QuantizeArgs r = a, t = a;
+      r.q = o.q;
+      r.q_row = q_row;
+      r.q_batch = rows * q_row;
+      r.scales = o.s_rows;
+      r.s_batch = blocks * ld;
+      r.s_0 = 1;
+      r.s_1 = ld;
+      t.q_t = o.q_t;
+      t.t_row = t_row;
+      t.t_batch = C * t_row;
+      t.scales = o.s_cols;
+      t.s_batch = padded / 128 * C;
+      t.s_0 = 1;
+      t.s_1 = C;
+      return std::pair{r, t};
+    };
+    Outputs separate, fused;
+    poisoned(separate);
+    poisoned(fused);
+    ASSERT_FALSE(HasFailure());
+    const auto [sep_rows, sep_cols] = args(separate);
+    megamoe::quantize_fp8(megamoe::Fp8Blocks::kRows1x128, sep_rows, stream_);
+    megamoe::quantize_fp8(megamoe::Fp8Blocks::kColumns128, sep_cols, stream_);
+    const auto [fused_rows, fused_cols] = args(fused);
+    megamoe::quantize_fp8_rows_and_columns(fused_rows, fused_cols, stream_);
+
+    const auto compare = [&](const char* what, const auto* want_d, const auto* got_d,
+                             int64_t n) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(want_d)>>;
+      const std::vector<T> want = download(want_d, n), got = download(got_d, n);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (std::memcmp(&want[i], &got[i], sizeof(T)) != 0 && bad++ < 5) {
+          uint32_t w = 0, g = 0;
+          std::memcpy(&w, &want[i], sizeof(T));
+          std::memcpy(&g, &got[i], sizeof(T));
+          ADD_FAILURE() << what << " element " << i << ": " << std::hex << g << ", expected "
+                        << w;
+        }
+      }
+      EXPECT_EQ(bad, 0) << what;
+    };
+    compare("rows' q", separate.q, fused.q, q_bytes);
+    compare("rows' scales", separate.s_rows, fused.s_rows, s_rows);
+    compare("columns' q_t", separate.q_t, fused.q_t, t_bytes);
+    compare("columns' scales", separate.s_cols, fused.s_cols, s_cols);
+  }
+
+  void check_cases(const std::vector<RowsColumnsCase>& cases) {
+    for (const RowsColumnsCase& c : cases) check(c, fresh_seed());
+  }
+};
+
+std::vector<RowsColumnsCase> rows_columns_cases() {
+  return {
+      {1, {}, 300, 128, 128},     // rows not a multiple of 128
+      {1, {}, 1, 256, 264},       // one row; x's rows wider than its columns
+      {1, {}, 127, 384, 384},
+      {1, {}, 129, 128, 136},
+      {1, {0, 1, 127, 128, 129, 0, 0, 300}, 0, 256, 256},  // empty groups, dh's padded layout
+      {1, {5, 0, 200}, 77, 384, 384},  // groups, then rows past them
+      {2, {}, 200, 256, 264},     // two matrices
+      {3, {130, 0}, 0, 128, 128},
+      {1, {}, 0, 256, 256},       // no rows: nothing written
+      {1, {}, 1000, 1536, 1536},  // qwen3-30b-a3b's 2I: 8 x 12 tiles
+  };
+}
+
+}  // namespace
+
+TEST_F(QuantizeFp8RowsAndColumns, EqualsTheSeparateQuantizers) {
+  check_cases(rows_columns_cases());
+}
+
+// The kernel's CTAs loop over the tiles (each loads the next tile before it quantizes the
+// current one, and the columns reuse shared memory from tile to tile): on 1 and 3 SMs each
+// CTA takes many tiles, and the last CTAs fewer than the others.
+TEST_F(QuantizeFp8RowsAndColumns, EqualsTheSeparateQuantizersOnFewCtas) {
+  std::vector<RowsColumnsCase> cases = rows_columns_cases();
+  cases.push_back({1, {}, 2000, 2048, 2048});  // 16 x 16 tiles
+  for (const int sms : {1, 3}) {
+    SCOPED_TRACE("SmLimit " + std::to_string(sms));
+    const megamoe::SmLimit limit(sms);
+    check_cases(cases);
+  }
+}
+
+TEST(QuantizeFp8RowsAndColumnsErrors, ArgumentsNamed) {
+  alignas(16) static uint16_t x[8] = {};
+  alignas(16) static uint16_t y[8] = {};
+  const auto good = [] {
+    megamoe::Fp8QuantizeArgs r;
+    r.x = reinterpret_cast<const __nv_bfloat16*>(x);
+    r.x_row = 128;
+    r.rows = 256;
+    r.cols = 128;
+    r.scales = reinterpret_cast<float*>(x);
+    r.s_0 = 1;
+    r.s_1 = 256;
+    megamoe::Fp8QuantizeArgs t = r;
+    r.q = reinterpret_cast<uint8_t*>(x);
+    r.q_row = 128;
+    t.q_t = reinterpret_cast<uint8_t*>(x);
+    t.t_row = 256;
+    t.s_1 = 128;
+    return std::pair{r, t};
+  };
+  // Every call below throws before any device work.
+  const auto call = [](const megamoe::Fp8QuantizeArgs& r, const megamoe::Fp8QuantizeArgs& t) {
+    return [r, t] { megamoe::quantize_fp8_rows_and_columns(r, t, nullptr); };
+  };
+  auto [r, t] = good();
+  r.cols = t.cols = 100;
+  expect_invalid(call(r, t), "rows: cols must be a positive multiple of 128");
+  std::tie(r, t) = good();
+  t.cols = 100;
+  expect_invalid(call(r, t), "columns: cols must be a positive multiple of 128");
+  std::tie(r, t) = good();
+  r.rows = t.rows = -1;
+  expect_invalid(call(r, t), "rows: negative rows or batches");
+  std::tie(r, t) = good();
+  t.x = reinterpret_cast<const __nv_bfloat16*>(y);
+  expect_invalid(call(r, t), "rows and columns must quantize the same x");
+  std::tie(r, t) = good();
+  t.rows = 128;
+  expect_invalid(call(r, t), "rows and columns must quantize the same x");
+  std::tie(r, t) = good();
+  t.x_row = 256;
+  expect_invalid(call(r, t), "rows and columns must quantize the same x");
+  std::tie(r, t) = good();
+  r.q_t = t.q_t;
+  expect_invalid(call(r, t), "rows: needs q and no q_t");
+  std::tie(r, t) = good();
+  t.q = r.q;
+  expect_invalid(call(r, t), "columns: needs q_t and no q");
+  std::tie(r, t) = good();
+  t.scales = nullptr;
+  expect_invalid(call(r, t), "columns: null pointer");
+  std::tie(r, t) = good();
+  r.q_row = 136;
+  expect_invalid(call(r, t), "rows: row and batch strides must be multiples of 16 bytes");
+  std::tie(r, t) = good();
+  t.t_row = 264;
+  expect_invalid(call(r, t), "columns: row and batch strides must be multiples of 16 bytes");
+  std::tie(r, t) = good();
+  r.x = t.x = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(x) + 2);
+  expect_invalid(call(r, t), "rows: x, q and q_t must be 16-byte aligned");
+}
+
+TEST(QuantizeFp8GatheredColumnsAndRowsErrors, ArgumentsNamed) {
+  alignas(16) static int32_t offsets[8] = {};
+  alignas(16) static uint16_t x[8] = {};
+  alignas(16) static uint16_t y[8] = {};
+  megamoe::Fp8QuantizeArgs columns;
+  columns.x = reinterpret_cast<const __nv_bfloat16*>(x);
+  columns.x_row = 128;
+  columns.rows = 256;
+  columns.cols = 128;
+  columns.q_t = reinterpret_cast<uint8_t*>(x);
+  columns.t_row = 256;
+  columns.scales = reinterpret_cast<float*>(x);
+  columns.s_0 = 1;
+  columns.s_1 = 128;
+  megamoe::Fp8QuantizeArgs rows;
+  rows.x = columns.x;
+  rows.x_row = 128;
+  rows.rows = 100;
+  rows.cols = 128;
+  rows.q = reinterpret_cast<uint8_t*>(y);
+  rows.q_row = 128;
+  rows.scales = reinterpret_cast<float*>(y);
+  rows.s_0 = 1;
+  rows.s_1 = 128;
+  megamoe::Fp8PaddedSource src;
+  src.expert_offsets = offsets;
+  src.tile_offsets = offsets;
+  src.row_token = offsets;
+  src.num_experts = 2;
+  // Every call below throws before any device work.
+  const auto call = [&](const megamoe::Fp8QuantizeArgs& c, const megamoe::Fp8QuantizeArgs& r,
+                        const megamoe::Fp8PaddedSource& s) {
+    return [c, r, s] { megamoe::quantize_fp8_columns_gathered_and_rows(c, s, r, nullptr); };
+  };
+  megamoe::Fp8QuantizeArgs c = columns, r = rows;
+  r.cols = 100;
+  expect_invalid(call(c, r, src), "rows: cols must be a positive multiple of 128");
+  r = rows;
+  r.x = reinterpret_cast<const __nv_bfloat16*>(y);
+  expect_invalid(call(c, r, src), "rows must quantize the token matrix of columns");
+  r = rows;
+  r.x_row = 256;
+  expect_invalid(call(c, r, src), "rows must quantize the token matrix of columns");
+  r = rows;
+  r.batches = 2;
+  expect_invalid(call(c, r, src), "rows must quantize the token matrix of columns");
+  c = columns;
+  c.batches = 2;
+  expect_invalid(call(c, rows, src), "columns: a gathered column quantization takes one matrix");
+  c = columns;
+  c.q = c.q_t;
+  expect_invalid(call(c, rows, src), "columns: needs q_t and no q");
+  megamoe::Fp8PaddedSource s = src;
+  s.num_experts = 0;
+  expect_invalid(call(columns, rows, s), "src.num_experts must be in [1, 2^31)");
+  s = src;
+  s.tile_offsets = nullptr;
+  expect_invalid(call(columns, rows, s), "null routing plan pointer in src");
+  r = rows;
+  r.q_t = columns.q_t;
+  expect_invalid(call(columns, r, src), "rows: needs q and no q_t");
+  r = rows;
+  r.scales = nullptr;
+  expect_invalid(call(columns, r, src), "rows: null pointer");
+  r = rows;
+  r.rows = 1;
+  r.q_row = 136;  // q's rows are used even for one token row: a stride of 16 bytes
+  expect_invalid(call(columns, r, src), "rows: row and batch strides must be multiples of 16");
 }

@@ -125,8 +125,9 @@ UNFUSED_CASES = GATHER_A_CASES + [
 
 # A switch that unfuses a quantization, with the precisions it changes anything in: the
 # activation is quantized only by fp8's forward (fp8_bwd's forward is the bf16 one).
-UNFUSED_SWITCHES = [("MEGAMOE_FP8_UNFUSED_COLS", precision) for precision in PRECISIONS] + [
-    ("MEGAMOE_FP8_UNFUSED_ACT", "fp8")]
+UNFUSED_SWITCHES = [(variable, precision)
+                    for variable in ("MEGAMOE_FP8_UNFUSED_COLS", "MEGAMOE_FP8_UNFUSED_QUANT")
+                    for precision in PRECISIONS] + [("MEGAMOE_FP8_UNFUSED_ACT", "fp8")]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -141,9 +142,37 @@ def test_fused_fp8_quantization_matches_the_unfused_path(T, H, I, E, k, extra, v
     rows first, then column-quantized, instead of column-quantized straight from the token
     matrices. MEGAMOE_FP8_UNFUSED_ACT=1: the forward L1 writes the activation in bf16 and
     it is then quantized into L2's rows, instead of L1's epilogue writing those rows (in
-    the saved mode alongside h)."""
+    the saved mode alongside h). MEGAMOE_FP8_UNFUSED_QUANT=1: dh quantized into its 1x128
+    rows (the L1 dgrad's A) and into its token-contiguous copy (dW_gate_up's) in two passes
+    instead of one; and dy into its sorted rows (the L2 dgrad's A) and p dy into dW_down's
+    copy in two passes, dW_down after the dgrads, instead of one pass and dW_down between
+    the L2 and L1 dgrads."""
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 37, **extra)
     _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch)
+
+
+@pytest.mark.parametrize("frozen", [("x",), ("w_gate_up",), ("x", "w_gate_up"), ("w_down",),
+                                    ("x", "topk_weights", "w_down"), ("w_gate_up", "w_down")])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fp8_gradients_of_a_subset_have_the_full_runs_bits(frozen, precision):
+    """Which gradients a backward computes decides which copies of dh it quantizes (its
+    rows for dx, its token-contiguous copy for dW_gate_up: one pass for both when both are
+    wanted, a pass for the one otherwise) and whether dy's sorted rows come with p dy's
+    copy (with dW_down, which the dgrad then computes). Every gradient computed has the bits
+    of the run that computes them all, and the frozen leaves get none."""
+    p = make_problem(1000, 256, 384, 8, 2, dtype=torch.bfloat16, device="cuda", seed=41,
+                     invalid_fraction=0.05, skip_experts=(3,))
+    _, full = run_with_grads(megamoe.moe, p, backend="fused", precision=precision)
+    leaves = {name: p[name].detach().clone().requires_grad_(name not in frozen)
+              for name in ("x", "topk_weights", "w_gate_up", "w_down")}
+    y = megamoe.moe(leaves["x"], p["topk_ids"], leaves["topk_weights"], leaves["w_gate_up"],
+                    leaves["w_down"], backend="fused", precision=precision)
+    y.backward(p["dy"])
+    for name, leaf in leaves.items():
+        if name in frozen:
+            assert leaf.grad is None, name
+        else:
+            assert torch.equal(leaf.grad, full[name]), name
 
 
 def test_weight_gradient_accumulators_add_the_same_gradients():

@@ -43,6 +43,15 @@ struct Fp8QuantizeArgs {
 
 void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& args, cudaStream_t stream);
 
+// quantize_fp8(kRows1x128, rows) and quantize_fp8(kColumns128, columns) of one bf16 matrix
+// (rows and columns must agree on x, x_row, x_batch, batches, rows and cols) in one pass:
+// each 128 x 128 tile of x read once, both copies' bits. For a matrix that feeds both a
+// dgrad (1x128 rows) and a weight gradient (128-token columns), such as the backward's dh:
+// the separate passes read it twice. Errors name the argument set ("rows: ", "columns: ").
+// A separate kernel (it loops over the tiles, as quantize_fp8_to_rows).
+void quantize_fp8_rows_and_columns(const Fp8QuantizeArgs& rows, const Fp8QuantizeArgs& columns,
+                                   cudaStream_t stream);
+
 // Where quantize_fp8_to_rows writes row r of x: rows rows[r * per_row + j] (j < per_row) of
 // q and of the scales (their i), none for a negative entry; rows that no entry names are
 // left untouched. For a token matrix quantized straight into a routing plan's expert-sorted
@@ -86,5 +95,18 @@ struct Fp8PaddedSource {
 // quantize_fp8_to_rows.
 void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& args, const Fp8PaddedSource& src,
                                    cudaStream_t stream);
+
+// quantize_fp8_columns_gathered(columns, src) and, from the same loads, quantize_fp8_to_rows
+// of the token matrix into the plan's sorted rows: `rows` as for quantize_fp8_to_rows (x,
+// x_row and cols as columns', rows = the token matrix's, q, q_row, scales, s_0, s_1 the
+// sorted copy, batches = 1) with the plan's slot_row as destinations (the inverse of
+// row_slot, whose rows are those of row_token), unscaled by the slot weights: every sorted
+// row below expert_offsets[E] written once, from its padded row, the others untouched. For
+// dy, whose sorted rows the L2 dgrad reads and whose p dy columns dW_down: the token rows
+// are read once for both instead of once more by quantize_fp8_to_rows. Errors name the
+// argument set ("rows: ", "columns: ").
+void quantize_fp8_columns_gathered_and_rows(const Fp8QuantizeArgs& columns,
+                                            const Fp8PaddedSource& src,
+                                            const Fp8QuantizeArgs& rows, cudaStream_t stream);
 
 }  // namespace megamoe
