@@ -210,9 +210,12 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
 }
 
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
-             __nv_bfloat16* saved_h, cudaStream_t stream) {
+             __nv_bfloat16* saved_h, cudaStream_t stream, const sm90::PeerRowsOut* l2_to_peers) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_forward()) {
+    if (l2_to_peers != nullptr) {
+      throw_invalid("expert chain: L2 rows to peers need the bf16 forward");
+    }
     const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, H, b.x_fp8, stream);
     const sm90::Fp8Weights gate_up = as_b(w.fp8_gate_up, 2 * I, H, false);
     // L2's A straight from L1's epilogue where its tiles allow (A by TMA), else through the
@@ -236,6 +239,11 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
   sm90::m_grouped_gemm_nt_swiglu(
       over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, I, b.activation), saved_h, stream);
   const sm90::MGroupedA activation{b.activation, rows.rows, RowLayout::kSorted, nullptr};
+  if (l2_to_peers != nullptr) {
+    sm90::m_grouped_gemm_nt_to_peers(over_rows(rows, activation, w.w_down, I, H, nullptr),
+                                     *l2_to_peers, stream);
+    return;
+  }
   sm90::m_grouped_gemm_nt(over_rows(rows, activation, w.w_down, I, H, b.out), stream);
 }
 

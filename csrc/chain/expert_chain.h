@@ -36,6 +36,7 @@
 
 #include "core/workspace.h"
 #include "kernels/common/routing_plan.h"
+#include "kernels/sm90/gemm.h"
 
 namespace megamoe::chain {
 
@@ -125,8 +126,11 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
                              int64_t I, Precision precision = Precision::kBf16);
 
 // saved_h: null, or [rows, 2I] that receives h = [gate | up] for a backward in saved mode.
+// l2_to_peers: null, or (bf16 only) where L2 sends each output row instead of b.out (the
+// expert-parallel epilogue combine, sm90::m_grouped_gemm_nt_to_peers): the same bits.
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
-             __nv_bfloat16* saved_h, cudaStream_t stream);
+             __nv_bfloat16* saved_h, cudaStream_t stream,
+             const sm90::PeerRowsOut* l2_to_peers = nullptr);
 
 // The backward's rows: unpadded ones in row order, padded ones (padded_rows =
 // padded_rows_bound(rows, E)) at tile_offsets[e] * 128 + i, zeros in the pad rows, for the
