@@ -86,6 +86,11 @@ __global__ void __launch_bounds__(kCopyThreads)
             row = send_base[id] + (r - expert_offsets[id]);
             at<int32_t>(dst, layout.recv_row_token)[row] = static_cast<int32_t>(i);
             at<float>(dst, layout.recv_weight)[row] = topk_weights[t * k + lane];
+            // Where L2's epilogue stores this row's result: slot (t, lane) of this rank.
+            if (layout.epilogue_combine) {
+              at<int32_t>(dst, layout.recv_row_dest)[row] = static_cast<int32_t>(
+                  (int64_t(peers.rank) * layout.max_tokens + t) * k + lane);
+            }
           }
           at<int32_t>(dst, layout.recv_slot_row)[i * k + lane] = row;
         }

@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <string>
@@ -44,6 +45,14 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
                   std::to_string(g->num_comm_sms));
   }
   out.comm_sms = g->num_comm_sms;
+  // The forward's epilogue combine (docs/expert-parallel.md, "Forward overlap"): off unless
+  // MEGAMOE_EP_EPILOGUE_COMBINE is set to something other than "" or "0", for an A/B on the
+  // GPUs. Read whenever a group is built, so that the buffer-size query and the calls agree
+  // within a process; every rank must see the same value (the Buffer's size check across
+  // ranks catches a mismatch: the layout differs).
+  const char* epilogue_combine = std::getenv("MEGAMOE_EP_EPILOGUE_COMBINE");
+  out.epilogue_combine = epilogue_combine != nullptr && epilogue_combine[0] != '\0' &&
+                         std::strcmp(epilogue_combine, "0") != 0;
   return out;
 }
 

@@ -63,6 +63,19 @@ chain::Rows received_rows(const Call& c, int32_t* row_slot) {
   return r;
 }
 
+// The epilogue combine's L2 destination: row r goes to slot recv_row_dest[r] of its source
+// (ep_layout.h), whose counters final_combine_slots waits on.
+sm90::PeerRowsOut l2_to_peers(const Call& c) {
+  sm90::PeerRowsOut out;
+  for (int r = 0; r < c.g.peers.world_size; ++r) out.buffers[r] = c.g.peers.buffers[r];
+  out.rows_offset = c.buffer.combine_slot_rows;
+  out.done_offset = c.buffer.combine_slot_done;
+  out.row_dest = at<const int32_t>(c.own(), c.buffer.recv_row_dest);
+  out.skip = c.w.skip;
+  out.slots_per_rank = c.g.max_tokens * c.g.topk;
+  return out;
+}
+
 void combine_phase(const Call& c, cudaStream_t stream) {
   comm::phase_barrier(c.g.peers, comm::Phase::kCombine, c.g.timeout_ns, c.error, stream);
 }
@@ -95,10 +108,19 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   const Call c =
       route_and_dispatch(g, w, x, nullptr, topk_ids, ids_are_int64, topk_weights, T, stream);
   const chain::Rows rows = received_rows(c, nullptr);
-  chain::forward(rows, {w_gate_up, w_down, g.hidden, I}, w.forward, saved_h, stream);
-  combine_send(c, w.forward.out, rows.slot_weights, nullptr, stream);
-  combine_phase(c, stream);
-  final_combine(c, y, nullptr, stream);
+  const chain::Experts experts{w_gate_up, w_down, g.hidden, I};
+  if (g.epilogue_combine) {
+    // L2's epilogue stores every row into its source's slot and counts it there; each rank
+    // reduces its tokens as their slots complete (no combine send, no combine phase).
+    const sm90::PeerRowsOut to_peers = l2_to_peers(c);
+    chain::forward(rows, experts, w.forward, saved_h, stream, &to_peers);
+    final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, stream);
+  } else {
+    chain::forward(rows, experts, w.forward, saved_h, stream);
+    combine_send(c, w.forward.out, rows.slot_weights, nullptr, stream);
+    combine_phase(c, stream);
+    final_combine(c, y, nullptr, stream);
+  }
   poison_if_skipped(c, y, T * g.hidden, stream);
 }
 

@@ -37,6 +37,15 @@ void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_wei
 void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
                    cudaStream_t stream);
 
+// The epilogue combine's step 7 (Group::epilogue_combine), after this rank's L2 has been
+// launched with l2_to_peers(): out [T, H] from the slots' rows that every owner's L2 epilogue
+// stored here, each token reduced once its slots are complete, in the default path's order
+// (per owner in rank order, its slots in slot order, rounded to bf16, then the owners' sum):
+// the same bits as combine_send + final_combine. A slot still incomplete after the timeout
+// sets the error word to its owner and phase 'combine rows'. Resets the slots' counters.
+void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64,
+                         const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
+
 // NaN into out [n] (null: nothing) when the call was skipped over capacity: such a call
 // must not look like a result.
 void poison_if_skipped(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
