@@ -15,6 +15,12 @@
 // every GPU before the fence completes), the warpgroup syncs, and one thread per row then adds
 // kBlockN to the slot's counter with a release at system scope. A reader that acquires the
 // counter at its full value (the row's N columns) sees every column.
+//
+// The fence waits until the thread's remote stores are acknowledged (an NVLink round trip).
+// Right after the stores it would hold the warpgroup for that long on every tile, so a
+// tile's fence and counts are deferred to the next tile's store() (or finish()): by then the
+// stores have drained during that tile's MMAs. A slot completes one tile later, which the
+// source, still busy with its own L2, does not notice.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -68,10 +74,14 @@ class PeerRowsEpilogue {
   __device__ __forceinline__ void begin_tile(const Tile&) {}
 
   __device__ __forceinline__ void store(const Tile& t, const float (&acc)[kBlockN / 2]) {
+    if (skip_) return;
+    // The previous tile's rows: fenced and counted. Its barrier also frees the staging (every
+    // thread's copy-out reads of it are done). Without rows pending no copy-out ran since
+    // the last barrier.
+    if (pending_rows_ > 0) signal_pending();
     const int slab = consumer_ * 64;
     const int rows = min(64, t.rows - slab);  // uniform over the warpgroup
-    if (rows <= 0 || skip_) return;
-    // The previous tile's copy-out finished before its last barrier: the staging is free.
+    if (rows <= 0) return;
     stage_chunks<kOutCols / 8>(
         staging_, [&](int q, int half, int j) { return acc[Fragment::index(q, half, j)]; });
     consumer_barrier_sync(consumer_);
@@ -92,10 +102,23 @@ class PeerRowsEpilogue {
       char* row = p_.buffers[source] + rows_offset_ + slot * ld_ * 2;
       *reinterpret_cast<uint4*>(row + col_bytes) = v;
     }
-    __threadfence_system();  // this thread's row stores, visible everywhere before the count
+    pending_row0_ = t.row0 + slab;
+    pending_rows_ = rows;
+  }
+
+  __device__ __forceinline__ void finish() {
+    if (!skip_ && pending_rows_ > 0) signal_pending();
+  }
+
+ private:
+  // Fence this thread's stores of the pending rows, sync the warpgroup, then count each
+  // pending row's kOutCols columns into its slot's counter (one thread per row).
+  __device__ __forceinline__ void signal_pending() {
+    __threadfence_system();
     consumer_barrier_sync(consumer_);
-    if (thread < rows) {
-      const int32_t dest = row_dest_[t.row0 + slab + thread];
+    const int thread = threadIdx.x % 128;
+    if (thread < pending_rows_) {
+      const int32_t dest = row_dest_[pending_row0_ + thread];
       if (dest >= 0) {
         const int source = dest / slots_per_rank_;
         const int64_t slot = dest - int64_t(source) * slots_per_rank_;
@@ -103,11 +126,9 @@ class PeerRowsEpilogue {
             reinterpret_cast<uint32_t*>(p_.buffers[source] + done_offset_) + slot, kOutCols);
       }
     }
+    pending_rows_ = 0;
   }
 
-  __device__ __forceinline__ void finish() {}
-
- private:
   // The pointer table is indexed at run time, so it stays in the params (a reference); the
   // scalars are copied out (epilogue_common.cuh says why).
   const Params& p_;
@@ -118,6 +139,8 @@ class PeerRowsEpilogue {
   int32_t slots_per_rank_;
   int32_t ld_;
   bool skip_;
+  int pending_row0_ = 0;  // the rows stored by the last store() and not yet counted
+  int pending_rows_ = 0;
 };
 
 }  // namespace megamoe::sm90
