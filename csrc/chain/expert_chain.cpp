@@ -236,8 +236,23 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
         over_rows(rows, activation, as_b(w.fp8_down, H, I, false), I, H, b.out), stream);
     return;
   }
+  forward_l1(rows, w, b, saved_h, stream);
+  forward_l2(rows, w, b, stream, l2_to_peers);
+}
+
+void forward_l1(const Rows& rows, const Experts& w, const ForwardBuffers& b,
+                __nv_bfloat16* saved_h, cudaStream_t stream) {
+  if (w.fp8_forward()) throw_invalid("expert chain: forward_l1 is the bf16 forward's");
   sm90::m_grouped_gemm_nt_swiglu(
-      over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, I, b.activation), saved_h, stream);
+      over_rows(rows, gathered(rows, rows.x), w.w_gate_up, w.hidden, w.intermediate,
+                b.activation),
+      saved_h, stream);
+}
+
+void forward_l2(const Rows& rows, const Experts& w, const ForwardBuffers& b, cudaStream_t stream,
+                const sm90::PeerRowsOut* l2_to_peers) {
+  if (w.fp8_forward()) throw_invalid("expert chain: forward_l2 is the bf16 forward's");
+  const int64_t H = w.hidden, I = w.intermediate;
   const sm90::MGroupedA activation{b.activation, rows.rows, RowLayout::kSorted, nullptr};
   if (l2_to_peers != nullptr) {
     sm90::m_grouped_gemm_nt_to_peers(over_rows(rows, activation, w.w_down, I, H, nullptr),

@@ -53,6 +53,11 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
   const char* epilogue_combine = std::getenv("MEGAMOE_EP_EPILOGUE_COMBINE");
   out.epilogue_combine = epilogue_combine != nullptr && epilogue_combine[0] != '\0' &&
                          std::strcmp(epilogue_combine, "0") != 0;
+  // The forward's dispatch beside L1 on the own rows (docs/expert-parallel.md, "Forward
+  // overlap" (b)): off unless MEGAMOE_EP_OVERLAP_DISPATCH is set (not "" or "0"). The
+  // buffer layout does not depend on it, the workspace size does (read on every group).
+  const char* overlap = std::getenv("MEGAMOE_EP_OVERLAP_DISPATCH");
+  out.overlap_dispatch = overlap != nullptr && overlap[0] != '\0' && std::strcmp(overlap, "0") != 0;
   return out;
 }
 

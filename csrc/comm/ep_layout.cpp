@@ -78,6 +78,13 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
   w.block_counts = c.take<int32_t>((T + kPlanThreads - 1) / kPlanThreads * W);
   if (pass == Pass::kForward) {
     w.forward = chain::carve_forward(c, R, R, g.hidden, I);
+    if (g.overlap_dispatch) {
+      w.own_expert_offsets = c.take<int32_t>(e_local + 1);
+      w.own_tile_offsets = c.take<int32_t>(e_local + 1);
+      w.peer_expert_offsets = c.take<int32_t>(e_local + 1);
+      w.peer_tile_offsets = c.take<int32_t>(e_local + 1);
+      w.own_row_token = c.take<int32_t>(R);
+    }
   } else {
     w.identity = c.take<int32_t>(R);
     w.dp_rows = c.take<float>(R);

@@ -30,6 +30,11 @@ struct Group {
   // source reduces there (docs/expert-parallel.md, "Forward overlap"), instead of the
   // owner's combine send. Every rank of a group must agree (it changes the buffer layout).
   bool epilogue_combine = false;
+  // The forward (without saved h) lays each owner's rows out with its own rows first, runs
+  // L1 and L2 on them straight from x while the peers' rows are dispatched on a side stream,
+  // then on the peers' rows (docs/expert-parallel.md, "Forward overlap" (b)). Every rank of a
+  // group must agree, and call with saved h all alike (the layout follows it).
+  bool overlap_dispatch = false;
 };
 
 // Throws INVALID_ARGUMENT for a group the layer cannot run (rank, buffers, sizes).
@@ -82,6 +87,13 @@ struct CallWorkspace {
   int32_t* token_count;              // [8] tokens sent to each rank
   int32_t* block_counts;             // [token-plan blocks, W]
   chain::ForwardBuffers forward;     // forward: the chain over the R received rows
+  // The overlapped forward: the plans of the own rows (rows 0.., their tokens in this
+  // rank's x: own_row_token [R]) and of the peers' rows (after the own ones), [E/W + 1] each.
+  int32_t* own_expert_offsets;
+  int32_t* own_tile_offsets;
+  int32_t* peer_expert_offsets;
+  int32_t* peer_tile_offsets;
+  int32_t* own_row_token;
   // Backward: [R] 0, 1, ...: each received row is its own slot (its router weight is
   // recv_weight[row]); [R] d topk_weights of each received row; the chain's buffers.
   int32_t* identity;

@@ -4,10 +4,11 @@
 // against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back calls on the
 // same buffers alternating two routings; and a peer that stops calling before each phase:
 // every other rank's error names it and the phase, after the timeout, instead of a hang.
-// Every case runs on both forward paths: the default one (.../EP2, .../EP8) and the epilogue
-// combine, where L2's epilogue stores each row into its source's slot and the source reduces
-// there (.../EP2_EpilogueCombine, .../EP8_EpilogueCombine; docs/expert-parallel.md, "Forward
-// overlap"), whose y must be the same bits.
+// Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"), whose y
+// must have the same bits: the default one (.../EP2, .../EP8); the epilogue combine, where
+// L2's epilogue stores each row into its source's slot and the source reduces there
+// (..._EpilogueCombine); the dispatch beside L1 and L2 on the own rows, read from x in place
+// (..._OverlapDispatch); and both (..._Overlap_EpilogueCombine).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -25,12 +26,19 @@ namespace {
 using megamoe::comm::Phase;
 using megamoe_test::Routing;
 
-// Parameters: the emulated world size, and whether the forward runs the epilogue combine.
+// The forward paths, by their Group switches.
+enum Path { kDefault = 0, kEpilogueCombine = 1, kOverlapDispatch = 2, kOverlapAndEpilogue = 3 };
+const char* const kPathNames[] = {"", "_EpilogueCombine", "_OverlapDispatch",
+                                  "_Overlap_EpilogueCombine"};
+
+// Parameters: the emulated world size, and the forward's path.
 class EpEmulated : public megamoe_test::EpLayerTest,
-                   public ::testing::WithParamInterface<std::tuple<int, bool>> {
+                   public ::testing::WithParamInterface<std::tuple<int, int>> {
  protected:
   void SetUp() override {
-    epilogue_combine_ = std::get<1>(GetParam());
+    const int path = std::get<1>(GetParam());
+    epilogue_combine_ = (path & kEpilogueCombine) != 0;
+    overlap_dispatch_ = (path & kOverlapDispatch) != 0;
     emulate(std::get<0>(GetParam()));
   }
 };
@@ -52,28 +60,30 @@ TEST_P(EpEmulated, NarrowL2Tiles) {
   check(80, 384, 128, 8, 2, Routing::kRandom, 0.05, 80 * 2 * world_, megamoe_test::fresh_seed());
 }
 
-// The two forward paths on the same problem: the same y, bit for bit, at EP=W, and at EP=1
-// (one rank sending every row to itself).
-TEST_P(EpEmulated, EpilogueCombineGivesTheDefaultPathsBits) {
-  if (!epilogue_combine_) GTEST_SKIP() << "compares the epilogue combine with the default path";
+// This path and the default one on the same problem: the same y, bit for bit, at EP=W,
+// and at EP=1 (one rank sending every row to itself).
+TEST_P(EpEmulated, GivesTheDefaultPathsBits) {
+  const bool epilogue = epilogue_combine_, overlap = overlap_dispatch_;
+  if (!epilogue && !overlap) GTEST_SKIP() << "compares another path with the default one";
   const uint64_t seed = megamoe_test::fresh_seed();
   SEEDED(seed);
   const int W = world_;
   const int64_t tokens = 72, H = 512, I = 128, E = 16, k = 4;
   std::vector<uint16_t> y[2];
   for (const bool on : {false, true}) {
-    epilogue_combine_ = on;
+    epilogue_combine_ = on && epilogue;
+    overlap_dispatch_ = on && overlap;
     prepare(tokens, H, I, E, k, Routing::kRandom, 0.05, tokens * k * W, seed);
     if (HasFatalFailure()) return;
     for (int r = 0; r < W; ++r) launch_forward(r, false);
     sync_ranks();
-    expect_no_errors(on ? "epilogue combine" : "default path");
+    expect_no_errors(on ? "this path" : "default path");
     y[on] = gather<uint16_t>(&Rank::y, tokens * H);
   }
-  EXPECT_EQ(y[1], y[0]) << "EP=" << W << ": the epilogue combine's y differs from the default path's";
-  const SingleRank ep1_default = single_rank(ids_, false, false);
-  const SingleRank ep1_epilogue = single_rank(ids_, false, true);
-  EXPECT_EQ(ep1_epilogue.y, ep1_default.y) << "EP=1: the epilogue combine's y differs";
+  EXPECT_EQ(y[1], y[0]) << "EP=" << W << ": y differs from the default path's";
+  const SingleRank ep1_default = single_rank(ids_, false);
+  const SingleRank ep1_this = single_rank(ids_, false, epilogue, overlap);
+  EXPECT_EQ(ep1_this.y, ep1_default.y) << "EP=1: y differs from the default path's";
 }
 
 TEST_P(EpEmulated, EveryTokenOnOneRank) {
@@ -209,10 +219,13 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EpEmulated,
-                         ::testing::Combine(::testing::Values(2, 8), ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& info) {
+                         ::testing::Combine(::testing::Values(2, 8),
+                                            ::testing::Values(kDefault, kEpilogueCombine,
+                                                              kOverlapDispatch,
+                                                              kOverlapAndEpilogue)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
                            return "EP" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) ? "_EpilogueCombine" : "");
+                                  kPathNames[std::get<1>(info.param)];
                          });
 
 }  // namespace
