@@ -84,23 +84,25 @@ void combine_phase(const Call& c, cudaStream_t stream) {
   comm::phase_barrier(c.g.peers, comm::Phase::kCombine, c.g.timeout_ns, c.error, stream);
 }
 
-// The overlapped forward's second stream (and its fork and join events) for a caller's
-// stream: one per (device, stream), made at its first call and kept for the process (a call
-// may be captured into a CUDA graph, where creating them is not allowed; the first call of a
-// stream is then to come before the capture, as the kernel loads already ask). One per
-// caller stream, not per device: emulated ranks share a device, and a rank's side work
-// queued behind another rank's spinning phase kernel would wait for it.
+// The overlapped forward's second stream (and its fork and join events) of a rank: one per
+// (device, rank's buffer), made at the rank's first overlapped call and kept for the
+// process. Keyed by the rank, not by the caller's stream, so that a CUDA graph captured on
+// a stream of its own (torch's capture stream) finds the one made by an earlier eager call:
+// creating them during a capture may not be allowed (the first call is then to come before
+// the capture, as the kernel loads already ask). Per rank, not per device: emulated ranks
+// share a device, and a rank's side work queued behind another rank's spinning phase kernel
+// would wait for it. A rank's calls are collective, so they never run on two streams at once.
 struct SideStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
-const SideStream& side_stream_for(cudaStream_t caller) {
+const SideStream& side_stream_for(const Call& c) {
   static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, SideStream> streams;
+  static std::map<std::pair<int, const char*>, SideStream> streams;
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   const std::lock_guard<std::mutex> lock(mutex);
-  SideStream& s = streams[{device, caller}];
+  SideStream& s = streams[{device, c.own()}];
   if (s.stream == nullptr) {
     MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
     MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
@@ -163,7 +165,7 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   const Call c = begin_call(g, w, T);
   plan(c, topk_ids, ids_are_int64, stream, /*own_first=*/true);
   dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, stream, DispatchPart::kSelf);
-  const SideStream& side = side_stream_for(stream);
+  const SideStream& side = side_stream_for(c);
   MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
   // Launched first, so that the copy blocks find SMs before L1 fills them.
