@@ -232,9 +232,12 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
 }
 
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
-             __nv_bfloat16* saved_h, cudaStream_t stream) {
+             __nv_bfloat16* saved_h, cudaStream_t stream, const sm90::PeerRowsOut* l2_to_peers) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_forward()) {
+    if (l2_to_peers != nullptr) {
+      throw_invalid("expert chain: L2 rows to peers need the bf16 forward");
+    }
     const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, H, b.x_fp8, stream);
     const sm90::Fp8Weights gate_up = as_b(w.fp8_gate_up, 2 * I, H, false);
     // L2's A straight from L1's epilogue where its tiles allow (A by TMA), else through the
@@ -255,9 +258,29 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
         over_rows(rows, activation, as_b(w.fp8_down, H, I, false), I, H, b.out), stream);
     return;
   }
+  forward_l1(rows, w, b, saved_h, stream);
+  forward_l2(rows, w, b, stream, l2_to_peers);
+}
+
+void forward_l1(const Rows& rows, const Experts& w, const ForwardBuffers& b,
+                __nv_bfloat16* saved_h, cudaStream_t stream) {
+  if (w.fp8_forward()) throw_invalid("expert chain: forward_l1 is the bf16 forward's");
   sm90::m_grouped_gemm_nt_swiglu(
-      over_rows(rows, gathered(rows, rows.x), w.w_gate_up, H, I, b.activation), saved_h, stream);
+      over_rows(rows, gathered(rows, rows.x), w.w_gate_up, w.hidden, w.intermediate,
+                b.activation),
+      saved_h, stream);
+}
+
+void forward_l2(const Rows& rows, const Experts& w, const ForwardBuffers& b, cudaStream_t stream,
+                const sm90::PeerRowsOut* l2_to_peers) {
+  if (w.fp8_forward()) throw_invalid("expert chain: forward_l2 is the bf16 forward's");
+  const int64_t H = w.hidden, I = w.intermediate;
   const sm90::MGroupedA activation{b.activation, rows.rows, RowLayout::kSorted, nullptr};
+  if (l2_to_peers != nullptr) {
+    sm90::m_grouped_gemm_nt_to_peers(over_rows(rows, activation, w.w_down, I, H, nullptr),
+                                     *l2_to_peers, stream);
+    return;
+  }
   sm90::m_grouped_gemm_nt(over_rows(rows, activation, w.w_down, I, H, b.out), stream);
 }
 

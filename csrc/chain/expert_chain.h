@@ -40,6 +40,7 @@
 
 #include "core/workspace.h"
 #include "kernels/common/routing_plan.h"
+#include "kernels/sm90/gemm.h"
 
 namespace megamoe::chain {
 
@@ -129,8 +130,19 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
                              int64_t I, Precision precision = Precision::kBf16);
 
 // saved_h: null, or [rows, 2I] that receives h = [gate | up] for a backward in saved mode.
+// l2_to_peers: null, or (bf16 only) where L2 sends each output row instead of b.out (the
+// expert-parallel epilogue combine, sm90::m_grouped_gemm_nt_to_peers): the same bits.
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
-             __nv_bfloat16* saved_h, cudaStream_t stream);
+             __nv_bfloat16* saved_h, cudaStream_t stream,
+             const sm90::PeerRowsOut* l2_to_peers = nullptr);
+// The bf16 forward's two halves: L1 + SwiGLU into b.activation, and L2 from it, each over the
+// rows' plan only (activation rows outside it are neither written nor read). The
+// expert-parallel forward that overlaps its dispatch runs them on two plans over disjoint
+// rows of the same buffers, one before the peers' rows have arrived.
+void forward_l1(const Rows& rows, const Experts& w, const ForwardBuffers& b,
+                __nv_bfloat16* saved_h, cudaStream_t stream);
+void forward_l2(const Rows& rows, const Experts& w, const ForwardBuffers& b, cudaStream_t stream,
+                const sm90::PeerRowsOut* l2_to_peers = nullptr);
 
 // The backward's rows: unpadded ones in row order, padded ones (padded_rows =
 // padded_rows_bound(rows, E)) at tile_offsets[e] * 128 + i, zeros in the pad rows, for the

@@ -2,6 +2,7 @@
 // partial sums sent back to the tokens' ranks, and their sum there; and the poison of a
 // call skipped over capacity.
 #include "comm/ep_phases.h"
+#include "comm/peer_sync.cuh"
 #include "core/cuda_check.h"
 #include "kernels/common/bf16_row.cuh"
 #include "kernels/common/kernel_preload.h"
@@ -93,6 +94,93 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
+// 7, epilogue combine: y of each of this rank's tokens from its slots' rows, which the
+// owners' L2 epilogues stored here (one warp per token). Lane j waits for slot j's counter to
+// reach H (all its N-tiles); the warp goes on when every valid slot is complete, or gives up
+// after the timeout or when an earlier wait of this rank has failed (the error word is set),
+// so that a dead peer costs one timeout. Then the default path's arithmetic, operation for
+// operation: per owner d that received the token, in rank order, the fma of every slot in
+// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0, as in
+// combine_send), rounded to bf16 (d's partial), summed in fp32 and rounded again
+// (final_combine_kernel). The grid is one block per SM at most: under emulation a spinning
+// rank must leave whole SMs to its peers' GEMMs (docs/expert-parallel.md).
+template <class Id>
+__global__ void __launch_bounds__(kCopyThreads)
+    final_combine_slots_kernel(const __grid_constant__ comm::PeerTable peers,
+                               const __grid_constant__ BufferLayout layout,
+                               const Id* __restrict__ topk_ids,
+                               const float* __restrict__ topk_weights,
+                               const int32_t* __restrict__ slot_row,
+                               const int32_t* __restrict__ token_pos, int64_t T,
+                               int32_t experts_per_rank, const int32_t* __restrict__ skip,
+                               int64_t timeout_ns, int32_t* error,
+                               __nv_bfloat16* __restrict__ out) {
+  if (*skip) return;
+  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
+  const int lane = threadIdx.x % 32;
+  char* own = peers.buffers[peers.rank];
+  // Written by other GPUs during this kernel: plain (coherent) loads after the acquire, not
+  // the read-only path.
+  const __nv_bfloat16* slot_rows = at<const __nv_bfloat16>(own, layout.combine_slot_rows);
+  uint32_t* done = at<uint32_t>(own, layout.combine_slot_done);
+  const volatile int32_t* error_word = error;
+  const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
+  for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+    int owner = -1;  // this lane's slot's owner rank; -1: no slot or no expert
+    float weight = 0.f;
+    if (lane < k && slot_row[t * k + lane] >= 0) {
+      owner = static_cast<int>(static_cast<int64_t>(topk_ids[t * k + lane]) / experts_per_rank);
+      weight = topk_weights[t * k + lane];
+    }
+    uint32_t* my_done = owner >= 0 ? done + t * k + lane : nullptr;
+    bool complete = owner < 0;
+    const uint64_t start = comm::global_time_ns();
+    while (true) {
+      if (!complete) complete = comm::load_acquire_sys(my_done) >= static_cast<uint32_t>(H);
+      if (__all_sync(0xffffffffu, complete)) break;
+      const bool give_up = *error_word != 0 || comm::global_time_ns() - start >
+                                                   static_cast<uint64_t>(timeout_ns);
+      if (__any_sync(0xffffffffu, give_up)) {
+        if (!complete) atomicCAS(error, 0, comm::error_code(comm::Phase::kCombineRows, owner));
+        break;
+      }
+      // Fewer polls while the rows are in flight: the owners' GEMMs share this memory (and,
+      // emulated, this GPU's L2).
+      __nanosleep(128);
+    }
+    __syncwarp();  // every lane's reads below after every lane's acquire
+
+    for (int c = lane * 8; c < H; c += 32 * 8) {
+      float acc[8] = {};
+      for (int d = 0; d < world; ++d) {
+        if (token_pos[t * world + d] < 0) continue;
+        float part[8] = {};
+        for (int j0 = 0; j0 < k; j0 += kCopyBatch) {
+          uint4 v[kCopyBatch];
+          float w[kCopyBatch];
+#pragma unroll
+          for (int b = 0; b < kCopyBatch; ++b) {
+            const int j = j0 + b;
+            const int slot_owner = __shfl_sync(0xffffffffu, owner, j % 32);
+            w[b] = __shfl_sync(0xffffffffu, weight, j % 32);
+            const bool used = j < k && slot_owner == d;
+            v[b] = used ? *reinterpret_cast<const uint4*>(slot_rows + (t * k + j) * H + c)
+                        : make_uint4(0, 0, 0, 0);
+            if (!used) w[b] = 0.f;
+          }
+#pragma unroll
+          for (int b = 0; b < kCopyBatch; ++b) fma_row(part, w[b], v[b]);
+        }
+        fma_row(acc, 1.f, pack_row(part));
+      }
+      *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
+    }
+    // Ready for the next call: no owner adds to it before this rank's next dispatch phase.
+    if (my_done != nullptr) *my_done = 0;
+  }
+  __threadfence_system();  // the resets, before the next phase kernel's release signal
+}
+
 // A skipped call (capacity) must not look like a result.
 template <class T>
 __global__ void poison_if_skipped_kernel(T* out, int64_t n, const int32_t* skip) {
@@ -126,6 +214,22 @@ void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
   if (c.T == 0) return;
   final_combine_kernel<<<c.copy_blocks, kCopyThreads, 0, stream>>>(
       c.g.peers, c.buffer, c.w.token_pos, c.w.local.plan.slot_row, c.T, out, d_topk_weights);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64,
+                         const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream) {
+  if (c.T == 0) return;
+  const auto launch = [&](auto* ids) {
+    final_combine_slots_kernel<<<c.sms, kCopyThreads, 0, stream>>>(
+        c.g.peers, c.buffer, ids, topk_weights, c.w.local.plan.slot_row, c.w.token_pos, c.T,
+        static_cast<int32_t>(c.e_local), c.w.skip, c.g.timeout_ns, c.error, out);
+  };
+  if (ids_are_int64) {
+    launch(static_cast<const int64_t*>(topk_ids));
+  } else {
+    launch(static_cast<const int32_t*>(topk_ids));
+  }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -2,6 +2,7 @@
 // ranks that own its experts, by peer stores.
 #include "comm/ep_phases.h"
 #include "core/cuda_check.h"
+#include "core/error.h"
 #include "kernels/common/kernel_preload.h"
 
 namespace megamoe::ep {
@@ -34,7 +35,9 @@ __device__ __forceinline__ void copy_row_to(const __nv_bfloat16* src, int hidden
 // 4. Each token once to each rank that owns one of its experts: the x row (backward: and
 // the dy row) into this rank's section of the owner's received tokens, and for each of
 // its slots there the owner row (send_base: the expert-sorted layout), the router weight
-// and the token's index on the owner. One warp per token.
+// and the token's index on the owner. One warp per token. part: every owner, or (the
+// overlapped forward) this rank only, without copying the rows (L1 reads them from x:
+// own_row_token gets each own row's token), or the other ranks only.
 template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
@@ -45,10 +48,15 @@ __global__ void __launch_bounds__(kCopyThreads)
                     const int32_t* __restrict__ expert_offsets,
                     const int32_t* __restrict__ send_base, const int32_t* __restrict__ token_pos,
                     const int32_t* __restrict__ token_count, const int32_t* __restrict__ skip,
-                    int64_t T, int32_t experts_per_rank) {
+                    int64_t T, int32_t experts_per_rank, DispatchPart part,
+                    int32_t* __restrict__ own_row_token) {
   const int world = peers.world_size, k = layout.topk, H = layout.hidden;
+  // Whether this kernel serves rank d.
+  const auto serves = [&](int d) {
+    return part == DispatchPart::kAll || (part == DispatchPart::kSelf) == (d == peers.rank);
+  };
   if (*skip == 0) {
-    if (blockIdx.x == 0 && threadIdx.x < world) {
+    if (blockIdx.x == 0 && threadIdx.x < world && serves(threadIdx.x)) {
       at<int32_t>(peers.buffers[threadIdx.x], layout.recv_token_count)[peers.rank] =
           token_count[threadIdx.x];
     }
@@ -68,16 +76,18 @@ __global__ void __launch_bounds__(kCopyThreads)
       const auto to = [&](size_t area) {
         return [&, area](int d) -> __nv_bfloat16* {
           const int32_t pos = token_pos[t * world + d];
-          if (pos < 0) return nullptr;
+          if (pos < 0 || !serves(d)) return nullptr;
           return at<__nv_bfloat16>(peers.buffers[d], area) +
                  (int64_t(peers.rank) * layout.max_tokens + pos) * H;
         };
       };
-      copy_row_to(x + t * H, H, lane, world, to(layout.recv_x));
-      if (dy != nullptr) copy_row_to(dy + t * H, H, lane, world, to(layout.recv_dy));
+      if (part != DispatchPart::kSelf) {
+        copy_row_to(x + t * H, H, lane, world, to(layout.recv_x));
+        if (dy != nullptr) copy_row_to(dy + t * H, H, lane, world, to(layout.recv_dy));
+      }
       for (int d = 0; d < world; ++d) {
         const int32_t pos = token_pos[t * world + d];
-        if (pos < 0) continue;
+        if (pos < 0 || !serves(d)) continue;
         char* dst = peers.buffers[d];
         const int64_t i = int64_t(peers.rank) * layout.max_tokens + pos;  // token index there
         if (lane < k) {
@@ -86,6 +96,12 @@ __global__ void __launch_bounds__(kCopyThreads)
             row = send_base[id] + (r - expert_offsets[id]);
             at<int32_t>(dst, layout.recv_row_token)[row] = static_cast<int32_t>(i);
             at<float>(dst, layout.recv_weight)[row] = topk_weights[t * k + lane];
+            if (part == DispatchPart::kSelf) own_row_token[row] = static_cast<int32_t>(t);
+            // Where L2's epilogue stores this row's result: slot (t, lane) of this rank.
+            if (layout.epilogue_combine) {
+              at<int32_t>(dst, layout.recv_row_dest)[row] = static_cast<int32_t>(
+                  (int64_t(peers.rank) * layout.max_tokens + t) * k + lane);
+            }
           }
           at<int32_t>(dst, layout.recv_slot_row)[i * k + lane] = row;
         }
@@ -103,12 +119,15 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
-              cudaStream_t stream) {
+              cudaStream_t stream, DispatchPart part, int blocks) {
+  if (part == DispatchPart::kSelf && c.w.own_row_token == nullptr) {
+    throw_invalid("EP dispatch: the own rows' pass needs the overlapped forward's workspace");
+  }
   const auto launch = [&](auto* ids) {
-    dispatch_kernel<<<c.copy_blocks, kCopyThreads, 0, stream>>>(
+    dispatch_kernel<<<blocks > 0 ? blocks : c.copy_blocks, kCopyThreads, 0, stream>>>(
         c.g.peers, c.buffer, x, dy, ids, topk_weights, c.w.local.plan.slot_row,
         c.w.local.plan.expert_offsets, c.w.send_base, c.w.token_pos, c.w.token_count, c.w.skip,
-        c.T, static_cast<int32_t>(c.e_local));
+        c.T, static_cast<int32_t>(c.e_local), part, c.w.own_row_token);
   };
   if (ids_are_int64) {
     launch(static_cast<const int64_t*>(topk_ids));

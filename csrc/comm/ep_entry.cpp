@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <string>
@@ -44,6 +45,20 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
                   std::to_string(g->num_comm_sms));
   }
   out.comm_sms = g->num_comm_sms;
+  // The forward's epilogue combine (docs/expert-parallel.md, "Forward overlap"): off unless
+  // MEGAMOE_EP_EPILOGUE_COMBINE is set to something other than "" or "0", for an A/B on the
+  // GPUs. Read whenever a group is built, so that the buffer-size query and the calls agree
+  // within a process; every rank must see the same value (megamoe.Buffer checks that the
+  // ranks agree on both switches).
+  const char* epilogue_combine = std::getenv("MEGAMOE_EP_EPILOGUE_COMBINE");
+  out.epilogue_combine = epilogue_combine != nullptr && epilogue_combine[0] != '\0' &&
+                         std::strcmp(epilogue_combine, "0") != 0;
+  // The forward's dispatch beside L1 on the own rows (docs/expert-parallel.md, "Forward
+  // overlap" (b)): off unless MEGAMOE_EP_OVERLAP_DISPATCH is set (not "" or "0"). The
+  // buffer layout does not depend on it, the workspace size does (read on every group).
+  // Every rank must see the same value.
+  const char* overlap = std::getenv("MEGAMOE_EP_OVERLAP_DISPATCH");
+  out.overlap_dispatch = overlap != nullptr && overlap[0] != '\0' && std::strcmp(overlap, "0") != 0;
   return out;
 }
 

@@ -2,10 +2,14 @@
 // plan and dispatch, the expert chain runs on them, and the results leave by the combine.
 #include "comm/ep_layer.h"
 
+#include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
 #include "comm/ep_phases.h"
+#include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/slot_reduce.h"
@@ -63,8 +67,72 @@ chain::Rows received_rows(const Call& c, int32_t* row_slot) {
   return r;
 }
 
+// The epilogue combine's L2 destination: row r goes to slot recv_row_dest[r] of its source
+// (ep_layout.h), whose counters final_combine_slots waits on.
+sm90::PeerRowsOut l2_to_peers(const Call& c) {
+  sm90::PeerRowsOut out;
+  for (int r = 0; r < c.g.peers.world_size; ++r) out.buffers[r] = c.g.peers.buffers[r];
+  out.rows_offset = c.buffer.combine_slot_rows;
+  out.done_offset = c.buffer.combine_slot_done;
+  out.row_dest = at<const int32_t>(c.own(), c.buffer.recv_row_dest);
+  out.skip = c.w.skip;
+  out.slots_per_rank = c.g.max_tokens * c.g.topk;
+  return out;
+}
+
 void combine_phase(const Call& c, cudaStream_t stream) {
   comm::phase_barrier(c.g.peers, comm::Phase::kCombine, c.g.timeout_ns, c.error, stream);
+}
+
+// The overlapped forward's second stream (and its fork and join events) of a rank: one per
+// (device, rank's buffer), made at the rank's first overlapped call and kept for the
+// process. Keyed by the rank, not by the caller's stream, so that a CUDA graph captured on
+// a stream of its own (torch's capture stream) finds the one made by an earlier eager call:
+// creating them during a capture may not be allowed (the first call is then to come before
+// the capture, as the kernel loads already ask). Per rank, not per device: emulated ranks
+// share a device, and a rank's side work queued behind another rank's spinning phase kernel
+// would wait for it. A rank's calls are collective, so they never run on two streams at once.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+const SideStream& side_stream_for(const Call& c) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const char*>, SideStream> streams;
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  SideStream& s = streams[{device, c.own()}];
+  if (s.stream == nullptr) {
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
+    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
+  }
+  return s;
+}
+
+// The rows of one of the overlapped forward's two plans: the own rows (rows 0.., gathered
+// from this rank's x) or the peers' rows (after them, gathered from the received tokens).
+chain::Rows plan_rows(const Call& c, bool own, const __nv_bfloat16* x) {
+  chain::Rows r = received_rows(c, nullptr);
+  if (own) {
+    r.plan.expert_offsets = c.w.own_expert_offsets;
+    r.plan.tile_offsets = c.w.own_tile_offsets;
+    r.plan.row_token = c.w.own_row_token;
+    r.x = x;
+    r.tokens = c.T;
+  } else {
+    r.plan.expert_offsets = c.w.peer_expert_offsets;
+    r.plan.tile_offsets = c.w.peer_tile_offsets;
+  }
+  return r;
+}
+
+// Copy SMs of the dispatch beside L1: num_comm_sms, or 16 by default (all of them would
+// leave L1 nothing until the copy ends), at most half the SMs.
+int overlap_copy_blocks(const Call& c) {
+  const int sms = c.g.comm_sms > 0 ? c.g.comm_sms : 16;
+  return 2 * std::max(1, std::min(sms, c.sms / 2));
 }
 
 }  // namespace
@@ -84,6 +152,38 @@ size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermed
   return c.bytes();
 }
 
+// The forward's steps 1-5 with the dispatch beside the own rows' chain (Group::
+// overlap_dispatch): plan in the own-first layout; the own rows' metadata (no copy); then,
+// forked onto the side stream, the peers' rows and the dispatch phase, while L1 and L2 run
+// on the own rows from x; joined, L1 and L2 on the peers' rows. Nothing waits inside a
+// GEMM, so no SM is held by a spinning kernel beside the copies.
+Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat16* x,
+                      const void* topk_ids, bool ids_are_int64, const float* topk_weights,
+                      const chain::Experts& experts, int64_t T, bool to_peers,
+                      cudaStream_t stream) {
+  preload_kernels();
+  const Call c = begin_call(g, w, T);
+  plan(c, topk_ids, ids_are_int64, stream, /*own_first=*/true);
+  dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, stream, DispatchPart::kSelf);
+  const SideStream& side = side_stream_for(c);
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+  // Launched first, so that the copy blocks find SMs before L1 fills them.
+  dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, side.stream,
+           DispatchPart::kPeers, overlap_copy_blocks(c));
+  comm::phase_barrier(g.peers, comm::Phase::kDispatch, g.timeout_ns, c.error, side.stream);
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+  const sm90::PeerRowsOut out = to_peers ? l2_to_peers(c) : sm90::PeerRowsOut{};
+  for (const bool own : {true, false}) {
+    if (!own) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+    const chain::Rows rows = plan_rows(c, own, x);
+    if (rows.tokens == 0) continue;  // no x rows (T = 0): no own rows either
+    chain::forward_l1(rows, experts, w.forward, nullptr, stream);
+    chain::forward_l2(rows, experts, w.forward, stream, to_peers ? &out : nullptr);
+  }
+  return c;
+}
+
 void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
              const float* topk_weights, const __nv_bfloat16* w_gate_up,
              const __nv_bfloat16* w_down, int64_t T, int64_t I, __nv_bfloat16* y,
@@ -92,13 +192,37 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   check_call(g, T, I);
   const CallWorkspace w = carve_checked(g, T, I, Pass::kForward, workspace, workspace_size,
                                         "megamoe_ep_workspace_size");
+  const chain::Experts experts{w_gate_up, w_down, g.hidden, I};
+  // Saved h must sit in the default layout's rows, where the backward reads it.
+  if (g.overlap_dispatch && saved_h == nullptr) {
+    const Call c = overlapped_chain(g, w, x, topk_ids, ids_are_int64, topk_weights, experts, T,
+                                    g.epilogue_combine, stream);
+    if (g.epilogue_combine) {
+      final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, stream);
+    } else {
+      combine_send(c, w.forward.out, at<const float>(c.own(), c.buffer.recv_weight), nullptr,
+                   stream);
+      combine_phase(c, stream);
+      final_combine(c, y, nullptr, stream);
+    }
+    poison_if_skipped(c, y, T * g.hidden, stream);
+    return;
+  }
   const Call c =
       route_and_dispatch(g, w, x, nullptr, topk_ids, ids_are_int64, topk_weights, T, stream);
   const chain::Rows rows = received_rows(c, nullptr);
-  chain::forward(rows, {w_gate_up, w_down, g.hidden, I}, w.forward, saved_h, stream);
-  combine_send(c, w.forward.out, rows.slot_weights, nullptr, stream);
-  combine_phase(c, stream);
-  final_combine(c, y, nullptr, stream);
+  if (g.epilogue_combine) {
+    // L2's epilogue stores every row into its source's slot and counts it there; each rank
+    // reduces its tokens as their slots complete (no combine send, no combine phase).
+    const sm90::PeerRowsOut to_peers = l2_to_peers(c);
+    chain::forward(rows, experts, w.forward, saved_h, stream, &to_peers);
+    final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, stream);
+  } else {
+    chain::forward(rows, experts, w.forward, saved_h, stream);
+    combine_send(c, w.forward.out, rows.slot_weights, nullptr, stream);
+    combine_phase(c, stream);
+    final_combine(c, y, nullptr, stream);
+  }
   poison_if_skipped(c, y, T * g.hidden, stream);
 }
 

@@ -19,6 +19,14 @@
 //      (forward: weighted), rounded to bf16 once, into the source's combine area at [this
 //      rank, token]; the backward also sends each slot's d topk_weights; signal;
 //   7. the source sums the owners' partial rows in rank order -> y (backward: dx).
+// With Group::epilogue_combine the forward's steps 6-7 are instead: L2's epilogue stores
+// each result row into its slot in the source's buffer and counts it there; the source
+// waits per slot and reduces each token in the order of 6-7 (the same bits), with no combine
+// send and no combine phase (docs/expert-parallel.md, "Forward overlap").
+// With Group::overlap_dispatch (and no saved h) the forward lays every owner's own rows out
+// first: L1 and L2 run on them straight from x (never copied) while the peers' rows are
+// dispatched on a second stream, then on the peers' rows (the same bits: a row's results do
+// not depend on where it sits).
 // Steps 1-3 are ep_plan.cu, 4 ep_dispatch.cu, 6-7 ep_combine.cu, around the layout of
 // ep_layout.h; ep_layer.cpp runs them. Weight gradients stay on the owner and d
 // topk_weights is per slot: both are bitwise equal to the one-GPU layer's (an expert's rows

@@ -27,6 +27,11 @@ void check_group(const Group& g) {
     throw_invalid("EP group: bad sizes (H a multiple of 128, 1 <= k <= 16, max_recv_rows >= 1, "
                   "timeout > 0)");
   }
+  // recv_row_dest codes every rank's slots in an int32.
+  if (g.epilogue_combine && int64_t(p.world_size) * g.max_tokens * g.topk > INT32_MAX) {
+    throw_invalid("EP group: world_size * max_tokens * topk must fit in int32 with "
+                  "epilogue_combine");
+  }
 }
 
 BufferLayout buffer_layout(const Group& g) {
@@ -47,6 +52,11 @@ BufferLayout buffer_layout(const Group& g) {
   b.recv_weight = c.take_bytes(R * f32);
   b.combine_rows = c.take_bytes(tokens * H * bf16);
   b.combine_dp = c.take_bytes(g.max_tokens * k * f32);
+  const bool slots = g.epilogue_combine;
+  b.recv_row_dest = c.take_bytes(slots ? R * i32 : 0);
+  b.combine_slot_rows = c.take_bytes(slots ? g.max_tokens * k * H * bf16 : 0);
+  b.combine_slot_done = c.take_bytes(slots ? g.max_tokens * k * i32 : 0);
+  b.epilogue_combine = slots ? 1 : 0;
   b.total = c.bytes();
   b.hidden = static_cast<int32_t>(g.hidden);
   b.topk = static_cast<int32_t>(g.topk);
@@ -68,6 +78,13 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
   w.block_counts = c.take<int32_t>((T + kPlanThreads - 1) / kPlanThreads * W);
   if (pass == Pass::kForward) {
     w.forward = chain::carve_forward(c, R, R, g.hidden, I);
+    if (g.overlap_dispatch) {
+      w.own_expert_offsets = c.take<int32_t>(e_local + 1);
+      w.own_tile_offsets = c.take<int32_t>(e_local + 1);
+      w.peer_expert_offsets = c.take<int32_t>(e_local + 1);
+      w.peer_tile_offsets = c.take<int32_t>(e_local + 1);
+      w.own_row_token = c.take<int32_t>(R);
+    }
   } else {
     w.identity = c.take<int32_t>(R);
     w.dp_rows = c.take<float>(R);

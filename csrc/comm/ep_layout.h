@@ -26,6 +26,15 @@ struct Group {
   int64_t max_recv_rows;     // (token, expert) rows a rank can receive per call
   int64_t timeout_ns;
   int32_t comm_sms;          // SMs of the kernels that move rows between ranks; 0: all
+  // The forward's L2 epilogue stores each result row into its source's slot area and the
+  // source reduces there (docs/expert-parallel.md, "Forward overlap"), instead of the
+  // owner's combine send. Every rank of a group must agree (it changes the buffer layout).
+  bool epilogue_combine = false;
+  // The forward (without saved h) lays each owner's rows out with its own rows first, runs
+  // L1 and L2 on them straight from x while the peers' rows are dispatched on a side stream,
+  // then on the peers' rows (docs/expert-parallel.md, "Forward overlap" (b)). Every rank of a
+  // group must agree, and call with saved h all alike (the layout follows it).
+  bool overlap_dispatch = false;
 };
 
 // Throws INVALID_ARGUMENT for a group the layer cannot run (rank, buffers, sizes).
@@ -47,6 +56,11 @@ struct BufferLayout {
   size_t recv_weight;        // fp32 [R] router weight of each row here
   size_t combine_rows;       // bf16 [W, T, H] each owner's partial sum per token
   size_t combine_dp;         // fp32 [T * k] d topk_weights of each slot (backward)
+  // epilogue_combine only (0 bytes otherwise):
+  size_t recv_row_dest;      // int32 [R] (source * T + token) * k + slot of each row here
+  size_t combine_slot_rows;  // bf16 [T * k, H] each slot's L2 row, stored by its owner
+  size_t combine_slot_done;  // uint32 [T * k] columns of the slot's row stored so far
+  int32_t epilogue_combine;
   int32_t hidden, topk, max_tokens;
   size_t control;            // comm::ControlLayout, at offset 0 where peer_exchange has it
   size_t error;              // int32: 0, or a comm::describe_error code of this rank's last call
@@ -73,6 +87,13 @@ struct CallWorkspace {
   int32_t* token_count;              // [8] tokens sent to each rank
   int32_t* block_counts;             // [token-plan blocks, W]
   chain::ForwardBuffers forward;     // forward: the chain over the R received rows
+  // The overlapped forward: the plans of the own rows (rows 0.., their tokens in this
+  // rank's x: own_row_token [R]) and of the peers' rows (after the own ones), [E/W + 1] each.
+  int32_t* own_expert_offsets;
+  int32_t* own_tile_offsets;
+  int32_t* peer_expert_offsets;
+  int32_t* peer_tile_offsets;
+  int32_t* own_row_token;
   // Backward: [R] 0, 1, ...: each received row is its own slot (its router weight is
   // recv_weight[row]); [R] d topk_weights of each received row; the chain's buffers.
   int32_t* identity;

@@ -13,17 +13,25 @@ namespace megamoe::ep {
 
 // ep_plan.cu, steps 1-3: the local routing plan and the token plan, the counts exchange,
 // the received rows' offsets, send_base and the capacity verdict (skip, and the error word).
-void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t stream);
+// own_first (the overlapped forward, Group::overlap_dispatch): every owner's own rows first,
+// then its peers' rows, with this rank's two plans in the workspace's own_* and peer_*
+// (recv_expert_offsets then does not describe the rows).
+void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t stream,
+          bool own_first = false);
 
 // out[i] = i for i < n: the received rows' row -> slot map in the backward.
 void fill_identity(const Call& c, int32_t* out, int64_t n, cudaStream_t stream);
 
+// Which owners a dispatch serves: all; only this rank, metadata only (the overlapped
+// forward's own rows, read from x in place: also writes w.own_row_token); or only the others.
+enum class DispatchPart : int32_t { kAll, kSelf, kPeers };
+
 // ep_dispatch.cu, step 4: each token's x row (and dy row, unless null) once to every rank
 // that owns one of its experts, with its slots' rows, router weights and token there.
-// Nothing is sent when the call is skipped.
+// Nothing is sent when the call is skipped. blocks: the grid (0: c.copy_blocks).
 void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
-              cudaStream_t stream);
+              cudaStream_t stream, DispatchPart part = DispatchPart::kAll, int blocks = 0);
 
 // ep_combine.cu, step 6: per received token, its rows of `rows` (this rank's results in
 // received-row order) summed over its slots in slot order in fp32, weighted by
@@ -36,6 +44,15 @@ void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_wei
 // order; with d_topk_weights [T, k], each slot's value from its owner (0 for an id of -1).
 void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
                    cudaStream_t stream);
+
+// The epilogue combine's step 7 (Group::epilogue_combine), after this rank's L2 has been
+// launched with l2_to_peers(): out [T, H] from the slots' rows that every owner's L2 epilogue
+// stored here, each token reduced once its slots are complete, in the default path's order
+// (per owner in rank order, its slots in slot order, rounded to bf16, then the owners' sum):
+// the same bits as combine_send + final_combine. A slot still incomplete after the timeout
+// sets the error word to its owner and phase 'combine rows'. Resets the slots' counters.
+void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64,
+                         const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
 
 // NaN into out [n] (null: nothing) when the call was skipped over capacity: such a call
 // must not look like a result.

@@ -102,14 +102,28 @@ __global__ void __launch_bounds__(kPlanThreads)
   }
 }
 
+// The overlapped forward's layout (own_first): every owner puts the rows it owns for itself
+// first (expert-sorted, rows 0..), then the peers' rows (expert-sorted, sources in rank
+// order), so that the own rows form a plan of their own that L1 and L2 can run on before
+// any peer row has arrived. A row's results do not depend on where it sits, so y keeps its
+// bits. This rank's two plans: the own rows' (own_*) and the peers' (peer_*, whose expert
+// offsets start after the own rows; tiles numbered from 0 in each plan).
+struct OwnFirstPlans {
+  int32_t* own_expert_offsets = nullptr;  // null: the default layout
+  int32_t* own_tile_offsets = nullptr;
+  int32_t* peer_expert_offsets = nullptr;
+  int32_t* peer_tile_offsets = nullptr;
+};
+
 // 3. From the [W, E] counts of this exchange: this rank's receive offsets per local
 // expert (sources in rank order), where this rank's rows of each global expert start in
 // its owner's receive area, and the capacity check (every rank reaches the same verdict).
+// With own_first plans: that layout instead, every rank computing every owner's alike.
 __global__ void __launch_bounds__(1024)
     layout_kernel(const __grid_constant__ comm::PeerTable peers, int32_t num_experts,
                   int32_t experts_per_rank, int64_t capacity, int32_t* recv_expert_offsets,
                   int32_t* recv_tile_offsets, int32_t* send_base, int32_t* skip,
-                  int32_t* error) {
+                  int32_t* error, OwnFirstPlans own_first) {
   extern __shared__ int32_t totals[];  // [E]: rows of each global expert, all sources
   __shared__ int over_capacity;
   char* own = peers.buffers[peers.rank];
@@ -123,11 +137,24 @@ __global__ void __launch_bounds__(1024)
     totals[g] = total;
   }
   __syncthreads();
+  const bool by_own_first = own_first.own_expert_offsets != nullptr;
   for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
-    const int first = (g / experts_per_rank) * experts_per_rank;
+    const int owner = g / experts_per_rank;
+    const int first = owner * experts_per_rank;
+    const int last = first + experts_per_rank;
     int32_t base = 0;
-    for (int e = first; e < g; ++e) base += totals[e];
-    for (int s = 0; s < peers.rank; ++s) base += counts[s * num_experts + g];
+    if (!by_own_first) {
+      for (int e = first; e < g; ++e) base += totals[e];
+      for (int s = 0; s < peers.rank; ++s) base += counts[s * num_experts + g];
+    } else if (owner == peers.rank) {  // among the owner's own rows
+      for (int e = first; e < g; ++e) base += counts[owner * num_experts + e];
+    } else {  // after all of the owner's own rows, among its peers' rows
+      for (int e = first; e < last; ++e) base += counts[owner * num_experts + e];
+      for (int e = first; e < g; ++e) base += totals[e] - counts[owner * num_experts + e];
+      for (int s = 0; s < peers.rank; ++s) {
+        if (s != owner) base += counts[s * num_experts + g];
+      }
+    }
     send_base[g] = base;
   }
   if (threadIdx.x < peers.world_size) {
@@ -151,6 +178,31 @@ __global__ void __launch_bounds__(1024)
     }
     recv_expert_offsets[experts_per_rank] = offset;
     recv_tile_offsets[experts_per_rank] = tiles;
+    if (by_own_first) {
+      const int first = peers.rank * experts_per_rank;
+      int32_t own_rows = 0, own_tiles = 0;
+      for (int e = 0; e < experts_per_rank; ++e) {
+        own_first.own_expert_offsets[e] = own_rows;
+        own_first.own_tile_offsets[e] = own_tiles;
+        const int32_t n = over_capacity ? 0 : counts[peers.rank * num_experts + first + e];
+        own_rows += n;
+        own_tiles += (n + sm90::kGemmBlockM - 1) / sm90::kGemmBlockM;
+      }
+      own_first.own_expert_offsets[experts_per_rank] = own_rows;
+      own_first.own_tile_offsets[experts_per_rank] = own_tiles;
+      int32_t peer_rows = own_rows, peer_tiles = 0;
+      for (int e = 0; e < experts_per_rank; ++e) {
+        own_first.peer_expert_offsets[e] = peer_rows;
+        own_first.peer_tile_offsets[e] = peer_tiles;
+        const int32_t n =
+            over_capacity ? 0
+                          : totals[first + e] - counts[peers.rank * num_experts + first + e];
+        peer_rows += n;
+        peer_tiles += (n + sm90::kGemmBlockM - 1) / sm90::kGemmBlockM;
+      }
+      own_first.peer_expert_offsets[experts_per_rank] = peer_rows;
+      own_first.peer_tile_offsets[experts_per_rank] = peer_tiles;
+    }
   }
 }
 
@@ -165,7 +217,8 @@ __global__ void iota_kernel(int32_t* out, int64_t n) {
 
 }  // namespace
 
-void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t stream) {
+void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t stream,
+          bool own_first) {
   const comm::PeerTable& peers = c.g.peers;
   const int64_t E = c.g.num_experts, k = c.g.topk, T = c.T;
   const RoutingPlan& local = c.w.local.plan;
@@ -195,7 +248,10 @@ void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t 
 
   layout_kernel<<<1, 1024, E * sizeof(int32_t), stream>>>(
       peers, static_cast<int32_t>(E), static_cast<int32_t>(c.e_local), c.g.max_recv_rows,
-      c.w.recv_expert_offsets, c.w.recv_tile_offsets, c.w.send_base, c.w.skip, c.error);
+      c.w.recv_expert_offsets, c.w.recv_tile_offsets, c.w.send_base, c.w.skip, c.error,
+      own_first ? OwnFirstPlans{c.w.own_expert_offsets, c.w.own_tile_offsets,
+                                c.w.peer_expert_offsets, c.w.peer_tile_offsets}
+                : OwnFirstPlans{});
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -77,6 +77,7 @@ std::string describe_error(int32_t code) {
   const char* name = phase == int(Phase::kCounts)     ? "counts"
                      : phase == int(Phase::kDispatch) ? "dispatch"
                      : phase == int(Phase::kCombine)  ? "combine"
+                     : phase == int(Phase::kCombineRows) ? "combine rows"
                                                       : "unknown";
   return "rank " + std::to_string(rank) + " did not arrive in phase '" + name +
          "' within the timeout";

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 
 import torch
 import torch.distributed as dist
@@ -56,13 +57,22 @@ class Buffer:
             raise MegaMoEError(f"Buffer: num_comm_sms must be a positive int or None (every SM), "
                                f"got {num_comm_sms!r}")
         settings = (max_tokens_per_rank, hidden, intermediate, num_experts, topk, max_recv_rows)
+        # The forward's path switches (docs/expert-parallel.md, "Forward overlap"): the C
+        # library reads them from the environment, and ranks that disagree would lay out
+        # and expect rows differently.
+        switches = tuple(os.environ.get(name, "") not in ("", "0") for name in
+                         ("MEGAMOE_EP_EPILOGUE_COMBINE", "MEGAMOE_EP_OVERLAP_DISPATCH"))
         gathered = [None] * world
-        dist.all_gather_object(gathered, settings, group=group)
-        for other, theirs in enumerate(gathered):
+        dist.all_gather_object(gathered, (settings, switches), group=group)
+        for other, (theirs, their_switches) in enumerate(gathered):
             if theirs != settings:
                 raise MegaMoEError(f"Buffer: rank {rank} has (max_tokens_per_rank, hidden, "
                                    f"intermediate, num_experts, topk, max_recv_rows) = {settings}, "
                                    f"rank {other} has {theirs}; every rank must agree")
+            if their_switches != switches:
+                raise MegaMoEError(f"Buffer: rank {rank} has (MEGAMOE_EP_EPILOGUE_COMBINE, "
+                                   f"MEGAMOE_EP_OVERLAP_DISPATCH) = {switches}, rank {other} "
+                                   f"has {their_switches}; every rank must agree")
         self.group, self.rank, self.world_size = group, rank, world
         self.max_tokens_per_rank, self.hidden, self.intermediate = settings[:3]
         self.num_experts, self.topk, self.max_recv_rows = settings[3:]

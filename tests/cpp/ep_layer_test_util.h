@@ -9,6 +9,10 @@
 //     within 5e-3 (one bf16 rounding per owner rank), and the forward against the float64
 //     CPU reference;
 //   - its own first call: later calls on the same buffers bitwise equal.
+// With epilogue_combine_ or overlap_dispatch_ set before prepare(), every EP=W group runs
+// the forward's epilogue combine or its dispatch beside the own rows' chain (the Group
+// fields of the same names); the EP=1 references stay on the default path, so the
+// comparisons above also say that the paths give the same bits.
 // Owner o's partial row of a token is the sum over its slots on o, rounded once to bf16:
 // what the EP=1 layer gives with every slot on another rank's expert set to -1 (a row's
 // GEMM results do not depend on the other rows). The source sums the partials in rank order
@@ -133,6 +137,8 @@ class EpLayerTest : public RanksTest {
     group_.max_recv_rows = max_recv_rows;
     group_.timeout_ns = timeout_ns;
     group_.comm_sms = comm_sms;
+    group_.epilogue_combine = epilogue_combine_;
+    group_.overlap_dispatch = overlap_dispatch_;
     group_.peers.world_size = W;
     tables_ = make_tables(ep_buffer_bytes(group_));
 
@@ -247,8 +253,9 @@ class EpLayerTest : public RanksTest {
 
   // The EP=1 layer (one rank, every expert) on GPU 0 on the whole problem with `ids`:
   // forward, backward in recompute mode, and with saved_mode the saved-mode backward into
-  // fp32 accumulators.
-  SingleRank single_rank(const std::vector<int32_t>& ids, bool saved_mode) {
+  // fp32 accumulators; on the default path unless epilogue_combine.
+  SingleRank single_rank(const std::vector<int32_t>& ids, bool saved_mode,
+                         bool epilogue_combine = false, bool overlap_dispatch = false) {
     SingleRank out;
     const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
     megamoe::ep::Group g = group_;
@@ -257,6 +264,8 @@ class EpLayerTest : public RanksTest {
     g.max_tokens = T;
     g.max_recv_rows = T * k;
     g.comm_sms = 0;
+    g.epilogue_combine = epilogue_combine;
+    g.overlap_dispatch = overlap_dispatch;
     g.peers.buffers[0] = static_cast<char*>(alloc_on(0, ep_buffer_bytes(g)));
     const auto bf16 = [](void* p) { return static_cast<__nv_bfloat16*>(p); };
     const auto* x = bf16(upload_on(0, x_));
@@ -471,6 +480,9 @@ class EpLayerTest : public RanksTest {
     }
   }
 
+  // The EP=W groups' forward path (read by prepare()).
+  bool epilogue_combine_ = false;
+  bool overlap_dispatch_ = false;
   Problem p_;
   int64_t tokens_ = 0, e_local_ = 0;
   std::vector<uint16_t> x_, w1_, w2_, dy_;

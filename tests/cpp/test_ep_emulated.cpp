@@ -4,11 +4,17 @@
 // against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back calls on the
 // same buffers alternating two routings; and a peer that stops calling before each phase:
 // every other rank's error names it and the phase, after the timeout, instead of a hang.
+// Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"), whose y
+// must have the same bits: the default one (.../EP2, .../EP8); the epilogue combine, where
+// L2's epilogue stores each row into its source's slot and the source reduces there
+// (..._EpilogueCombine); the dispatch beside L1 and L2 on the own rows, read from x in place
+// (..._OverlapDispatch); and both (..._Overlap_EpilogueCombine).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -20,9 +26,21 @@ namespace {
 using megamoe::comm::Phase;
 using megamoe_test::Routing;
 
-class EpEmulated : public megamoe_test::EpLayerTest, public ::testing::WithParamInterface<int> {
+// The forward paths, by their Group switches.
+enum Path { kDefault = 0, kEpilogueCombine = 1, kOverlapDispatch = 2, kOverlapAndEpilogue = 3 };
+const char* const kPathNames[] = {"", "_EpilogueCombine", "_OverlapDispatch",
+                                  "_Overlap_EpilogueCombine"};
+
+// Parameters: the emulated world size, and the forward's path.
+class EpEmulated : public megamoe_test::EpLayerTest,
+                   public ::testing::WithParamInterface<std::tuple<int, int>> {
  protected:
-  void SetUp() override { emulate(GetParam()); }
+  void SetUp() override {
+    const int path = std::get<1>(GetParam());
+    epilogue_combine_ = (path & kEpilogueCombine) != 0;
+    overlap_dispatch_ = (path & kOverlapDispatch) != 0;
+    emulate(std::get<0>(GetParam()));
+  }
 };
 
 TEST_P(EpEmulated, MatchesEp1Layer) {
@@ -34,6 +52,38 @@ TEST_P(EpEmulated, MatchesEp1Layer) {
 
 TEST_P(EpEmulated, KIsOne) {
   check(129, 256, 128, 8, 1, Routing::kRandom, 0.1, 129 * world_, megamoe_test::fresh_seed());
+}
+
+// 128-wide L2 tiles (H not a multiple of 256): the epilogue combine's rows then arrive in
+// three N-tiles, its counters count to H in steps of 128.
+TEST_P(EpEmulated, NarrowL2Tiles) {
+  check(80, 384, 128, 8, 2, Routing::kRandom, 0.05, 80 * 2 * world_, megamoe_test::fresh_seed());
+}
+
+// This path and the default one on the same problem: the same y, bit for bit, at EP=W,
+// and at EP=1 (one rank sending every row to itself).
+TEST_P(EpEmulated, GivesTheDefaultPathsBits) {
+  const bool epilogue = epilogue_combine_, overlap = overlap_dispatch_;
+  if (!epilogue && !overlap) GTEST_SKIP() << "compares another path with the default one";
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  const int W = world_;
+  const int64_t tokens = 72, H = 512, I = 128, E = 16, k = 4;
+  std::vector<uint16_t> y[2];
+  for (const bool on : {false, true}) {
+    epilogue_combine_ = on && epilogue;
+    overlap_dispatch_ = on && overlap;
+    prepare(tokens, H, I, E, k, Routing::kRandom, 0.05, tokens * k * W, seed);
+    if (HasFatalFailure()) return;
+    for (int r = 0; r < W; ++r) launch_forward(r, false);
+    sync_ranks();
+    expect_no_errors(on ? "this path" : "default path");
+    y[on] = gather<uint16_t>(&Rank::y, tokens * H);
+  }
+  EXPECT_EQ(y[1], y[0]) << "EP=" << W << ": y differs from the default path's";
+  const SingleRank ep1_default = single_rank(ids_, false);
+  const SingleRank ep1_this = single_rank(ids_, false, epilogue, overlap);
+  EXPECT_EQ(ep1_this.y, ep1_default.y) << "EP=1: y differs from the default path's";
 }
 
 TEST_P(EpEmulated, EveryTokenOnOneRank) {
@@ -97,10 +147,12 @@ TEST_P(EpEmulated, ManyBackToBackCalls) {
       ASSERT_EQ(codes[call], 0) << "rank " << r << ", call " << call << ": "
                                 << megamoe::comm::describe_error(codes[call]);
     }
-    // One counts exchange and two phases per forward, none of them missed.
+    // One counts exchange and two phases per forward, none of them missed (the epilogue
+    // combine has no combine phase: its waits are per slot).
     const std::vector<uint32_t> generations = download<uint32_t>(
         tables_[r].buffers[r] + megamoe::comm::ControlLayout::kGeneration, 3);
-    EXPECT_EQ(generations, std::vector<uint32_t>(3, kCalls)) << "rank " << r;
+    const uint32_t combines = epilogue_combine_ ? 0 : kCalls;
+    EXPECT_EQ(generations, (std::vector<uint32_t>{kCalls, kCalls, combines})) << "rank " << r;
   }
   int wrong = 0, first_wrong = -1;
   for (int call = 0; call < kCalls; ++call) {
@@ -120,14 +172,20 @@ TEST_P(EpEmulated, ManyBackToBackCalls) {
 
 // The last rank goes as far as the phase before `stop` (its own waits are long: the others
 // arrive there) and never makes the call; the others call the layer with a short timeout.
+// With the epilogue combine, a peer that passed the dispatch phase but never runs its L2 is
+// missed where each rank waits for its slots' rows: phase 'combine rows'. (64 tokens of 2
+// slots per rank over 2W experts: every rank has a slot on the missing rank, but for a
+// chance of about 1e-7.)
 TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
   const uint64_t seed = megamoe_test::fresh_seed();
   SEEDED(seed);
   const int W = world_, missing = W - 1;
-  const int64_t tokens = 32, E = 2 * W, k = 2;
+  const int64_t tokens = epilogue_combine_ ? 64 : 32, E = 2 * W, k = 2;
   constexpr int64_t kShortNs = 300'000'000;
   const std::pair<Phase, const char*> stops[] = {
-      {Phase::kCounts, "counts"}, {Phase::kDispatch, "dispatch"}, {Phase::kCombine, "combine"}};
+      {Phase::kCounts, "counts"},
+      {Phase::kDispatch, "dispatch"},
+      {Phase::kCombine, epilogue_combine_ ? "combine rows" : "combine"}};
   for (const auto& [stop, name] : stops) {
     SCOPED_TRACE(std::string("the peer stops before phase ") + name);
     prepare(tokens, 256, 128, E, k, Routing::kRandom, 0.0, tokens * k * W, seed, 0, kShortNs);
@@ -160,9 +218,14 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Emulated, EpEmulated, ::testing::Values(2, 8),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return "EP" + std::to_string(info.param);
+INSTANTIATE_TEST_SUITE_P(Emulated, EpEmulated,
+                         ::testing::Combine(::testing::Values(2, 8),
+                                            ::testing::Values(kDefault, kEpilogueCombine,
+                                                              kOverlapDispatch,
+                                                              kOverlapAndEpilogue)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
+                           return "EP" + std::to_string(std::get<0>(info.param)) +
+                                  kPathNames[std::get<1>(info.param)];
                          });
 
 }  // namespace

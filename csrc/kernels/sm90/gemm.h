@@ -78,6 +78,28 @@ struct MnMajorStrides {
 // backward's L1 recompute with w_gate_up: n = 2I). n: a multiple of 128.
 void m_grouped_gemm_nt(const MGroupedGemmArgs& args, cudaStream_t stream);
 
+// Where m_grouped_gemm_nt_to_peers sends its rows: row r of C goes to rank
+// row_dest[r] / slots_per_rank, as row row_dest[r] % slots_per_rank of the bf16 [slots, n]
+// array at rows_offset in that rank's buffer, and that slot's uint32 counter at done_offset
+// then grows by the columns stored (n once every N-tile is stored); rows with a negative
+// row_dest are not stored. Nothing is stored when *skip is nonzero.
+struct PeerRowsOut {
+  static constexpr int kMaxRanks = 8;
+  char* buffers[kMaxRanks] = {};  // every rank's buffer, as the calling rank sees it
+  size_t rows_offset = 0;
+  size_t done_offset = 0;
+  const int32_t* row_dest = nullptr;  // device [groups.rows]
+  const int32_t* skip = nullptr;      // device [1]
+  int64_t slots_per_rank = 0;
+};
+
+// m_grouped_gemm_nt with every output row sent to its slot on another rank (or this one)
+// instead of stored in C (the expert-parallel forward's L2, its epilogue combine; args.c is
+// not used). A materialised (not gathered), n a multiple of 128. The same bits per row as
+// m_grouped_gemm_nt.
+void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& args, const PeerRowsOut& out,
+                                cudaStream_t stream);
+
 // C[r, :n] = A_r . B_e, b = [E * k, n] (e.g. the dgrad of L1: w_gate_up [E, 2I, H] read with
 // k = 2I, n = H). n: a multiple of 128.
 void m_grouped_gemm_nn(const MGroupedGemmArgs& args, cudaStream_t stream,

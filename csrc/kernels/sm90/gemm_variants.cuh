@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "kernels/sm90/epilogue_fp8_rows.cuh"
+#include "kernels/sm90/epilogue_peer_rows.cuh"
 #include "kernels/sm90/epilogue_store.cuh"
 #include "kernels/sm90/epilogue_swiglu_backward.cuh"
 #include "kernels/sm90/epilogue_swiglu_saved_h.cuh"
@@ -39,6 +40,10 @@ using KGroupedGemm =
 template <int kBlockN, bool kGathered>
 using MGroupedGemmNt =
     MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kK>, kGathered, StoreEpilogue<kBlockN>>;
+// The same GEMM with its rows sent to their tokens' ranks (m_grouped_gemm_nt_to_peers).
+template <int kBlockN>
+using MGroupedGemmNtToPeers =
+    MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kK>, false, PeerRowsEpilogue<kBlockN>>;
 template <int kBlockN, bool kGathered>
 using MGroupedGemmNn =
     MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, kGathered, StoreEpilogue<kBlockN>>;

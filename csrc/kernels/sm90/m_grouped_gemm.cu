@@ -39,6 +39,42 @@ void m_grouped_gemm_nt(const MGroupedGemmArgs& args, cudaStream_t stream) {
                        "m_grouped_gemm_nt", {}, stream);
 }
 
+void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out,
+                                cudaStream_t stream) {
+  const char* name = "m_grouped_gemm_nt_to_peers";
+  if (a.n % 128 != 0 || a.n < 1 || a.n > INT32_MAX / 2) {
+    throw_invalid(std::string(name) + ": N must be a positive multiple of 128");
+  }
+  if (a.a.gather != nullptr) throw_invalid(std::string(name) + ": A must be materialised");
+  if (out.row_dest == nullptr || out.skip == nullptr || out.slots_per_rank < 1 ||
+      out.slots_per_rank > INT32_MAX || out.rows_offset % 16 || out.done_offset % 4) {
+    throw_invalid(std::string(name) + ": bad destination (row_dest, skip, slots, offsets)");
+  }
+  check_m_grouped(a, name);
+  if (a.groups.rows == 0) return;
+  const auto run = [&](auto block_n) {
+    constexpr int kBlockN = decltype(block_n)::value;
+    using Gemm = MGroupedGemmNtToPeers<kBlockN>;
+    const int64_t experts = a.groups.num_experts;
+    typename Gemm::Epilogue::Params e{};
+    for (int r = 0; r < PeerRowsOut::kMaxRanks; ++r) e.buffers[r] = out.buffers[r];
+    e.rows_offset = out.rows_offset;
+    e.done_offset = out.done_offset;
+    e.row_dest = out.row_dest;
+    e.skip = out.skip;
+    e.slots_per_rank = static_cast<int32_t>(out.slots_per_rank);
+    e.ld = static_cast<int32_t>(a.n);
+    launch_m_grouped<Gemm>(a, Gemm::BLoad::params(a.b, experts * a.n, a.k, a.n), a.n / kBlockN,
+                           e, stream);
+  };
+  // The tile width m_grouped_gemm_nt takes for the same n: the same bits per row.
+  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && a.n % 256 == 0) {
+    run(std::integral_constant<int, 256>{});
+  } else {
+    run(std::integral_constant<int, 128>{});
+  }
+}
+
 void m_grouped_gemm_nn(const MGroupedGemmArgs& args, cudaStream_t stream,
                        MnMajorStrides strides) {
   run_store<Major::kMN>(args, args.n % 256 == 0, "m_grouped_gemm_nn", strides, stream);
