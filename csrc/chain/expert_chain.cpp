@@ -136,24 +136,9 @@ bool fp8_unfused_columns() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_COLS"
 // MEGAMOE_FP8_UNFUSED_QUANT set (and not "0"): the FP8 backward quantizes dh into its 1x128
 // rows (the L1 dgrad's A) and into its token-contiguous copy (dW_gate_up's lhs) in two
 // passes, each reading dh, instead of one pass that reads it once
-// (quantize_fp8_rows_and_columns); and dy into its sorted rows (the L2 dgrad's A) and p dy
-// into its token-contiguous copy (dW_down's lhs) in two passes instead of one
-// (quantize_fp8_columns_gathered_and_rows), with dW_down after the dgrads. A diagnostic,
-// for an A/B of the two on the GPU; the bits are the same.
+// (quantize_fp8_rows_and_columns). A diagnostic, for an A/B of the two on the GPU; the
+// bits are the same.
 bool fp8_unfused_quantization() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_QUANT"); }
-
-// The plan's padded rows over a token matrix, each scaled by its slot's weight (none for
-// null slot_weights), as quantize_fp8_columns_gathered reads them.
-Fp8PaddedSource padded_source(const Rows& r, const float* slot_weights) {
-  Fp8PaddedSource src;
-  src.expert_offsets = r.plan.expert_offsets;
-  src.tile_offsets = r.plan.tile_offsets;
-  src.row_token = r.plan.row_token;
-  src.row_slot = r.plan.row_slot;
-  src.slot_weights = slot_weights;
-  src.num_experts = r.num_experts;
-  return src;
-}
 
 // The padded rows of the plan over a token matrix (x, or dy scaled by the rows' slot
 // weights: p dy), [padded_rows, cols] as gather_rows_padded writes them, quantized into
@@ -169,8 +154,14 @@ void quantize_token_columns(const Rows& r, const __nv_bfloat16* tokens,
     quantize_columns(padded, padded_rows, cols, out, stream);
     return;
   }
-  quantize_fp8_columns_gathered(columns_args(tokens, padded_rows, cols, out),
-                                padded_source(r, slot_weights), stream);
+  Fp8PaddedSource src;
+  src.expert_offsets = r.plan.expert_offsets;
+  src.tile_offsets = r.plan.tile_offsets;
+  src.row_token = r.plan.row_token;
+  src.row_slot = r.plan.row_slot;
+  src.slot_weights = slot_weights;
+  src.num_experts = r.num_experts;
+  quantize_fp8_columns_gathered(columns_args(tokens, padded_rows, cols, out), src, stream);
 }
 
 // W [E, N, K] (scales [E, N/128, K/128]) as the B of an nt GEMM (B_e = W_e: the GEMM's n
@@ -312,57 +303,23 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
 
 namespace {
 
-// One FP8 weight gradient (m x n per expert) of the copies in b.lhs_fp8 and b.rhs_fp8,
-// K-grouped over each expert's padded rows.
-void fp8_weight_gradient(const Rows& rows, const BackwardBuffers& b, int64_t m, int64_t n,
-                         const WeightGrad& g, cudaStream_t stream) {
-  sm90::KGroupedFp8GemmArgs args{b.lhs_fp8.q, b.lhs_fp8.scales, b.rhs_fp8.q, b.rhs_fp8.scales,
-                                 b.padded_rows, m, n, rows.num_experts,
-                                 rows.plan.tile_offsets};
-  args.c = g.bf16;
-  args.c_accumulate = g.f32;
-  sm90::k_grouped_fp8_gemm_tn(args, stream);
-}
-
 // The FP8 dgrads: z = dy W_down^T's product with dy quantized (into the sorted rows, or
 // gathered) -> dh, a and the dp partials; then dx rows = dh W_gate_up with dh quantized
-// (into token_rows, after the L2 GEMM has read dy's copy there). Unless
-// fp8_unfused_quantization(), part of the weight gradients' work comes from the same reads:
-// with d_w_down wanted (and dy's sorted rows and p dy's columns in their default paths),
-// p dy's token-contiguous copy is made from the loads of dy's rows, and dW_down runs right
-// after the L2 dgrad writes a (its lhs_fp8 is then free for dh's copy); with
-// d_w_gate_up, dh's copy goes into lhs_fp8 from the same read of dh as its rows.
-DgradDone backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
-                             const BackwardBuffers& b, bool dx_rows,
-                             const WeightGrad& d_w_gate_up, const WeightGrad& d_w_down,
-                             cudaStream_t stream) {
+// (into token_rows, after the L2 GEMM has read dy's copy there). With dh_columns, dh's
+// token-contiguous copy for dW_gate_up goes into b.lhs_fp8 from the same read of dh as its
+// rows (unless fp8_unfused_quantization()); returns whether it did.
+bool backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
+                        const BackwardBuffers& b, bool dx_rows, bool dh_columns,
+                        cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
-  const bool fusing = !fp8_unfused_quantization();
-  DgradDone done;
-  done.d_w_down = fusing && d_w_down.wanted() && !fp8_gather_a() && !fp8_unfused_columns();
-  sm90::MGroupedFp8A dy;
-  if (done.d_w_down) {
-    quantize_fp8_columns_gathered_and_rows(
-        columns_args(rows.dy, b.padded_rows, H, b.lhs_fp8),
-        padded_source(rows, rows.slot_weights), rows_args(rows.dy, rows.tokens, H, b.dy_fp8),
-        stream);
-    // As token_rows_fp8's sorted rows: those past expert_offsets[E] stay unwritten.
-    dy = {b.dy_fp8.q, rows.rows, RowLayout::kSorted, nullptr, b.dy_fp8.scales,
-          b.dy_fp8.scale_ld};
-  } else {
-    dy = token_rows_fp8(rows, rows.dy, H, b.dy_fp8, stream);
-  }
+  const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, H, b.dy_fp8, stream);
   sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, dy, as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
   sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
       l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
-  if (done.d_w_down) {
-    quantize_columns(b.a, b.padded_rows, I, b.rhs_fp8, stream);
-    fp8_weight_gradient(rows, b, H, I, d_w_down, stream);
-  }
-  if (!dx_rows) return done;
-  done.dh_columns = fusing && d_w_gate_up.wanted();
-  if (done.dh_columns) {
+  if (!dx_rows) return false;
+  const bool fused = dh_columns && !fp8_unfused_quantization();
+  if (fused) {
     quantize_fp8_rows_and_columns(rows_args(b.dh, b.padded_rows, 2 * I, b.dh_fp8),
                                   columns_args(b.dh, b.padded_rows, 2 * I, b.lhs_fp8), stream);
   } else {
@@ -374,14 +331,14 @@ DgradDone backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bflo
                                                2 * I, H, b.token_rows);
   l1.groups.rows = b.padded_rows;
   sm90::m_grouped_fp8_gemm_nt(l1, stream);
-  return done;
+  return fused;
 }
 
 }  // namespace
 
 DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16* saved_h,
                          const BackwardBuffers& b, bool dx_rows, cudaStream_t stream,
-                         const WeightGrad& d_w_gate_up, const WeightGrad& d_w_down) {
+                         bool d_w_gate_up_wanted) {
   const int64_t H = w.hidden, I = w.intermediate;
   // h = [gate | up] of every row: saved by the forward, or recomputed (x rows gathered, or
   // in FP8 quantized into the sorted rows).
@@ -397,7 +354,9 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
     h = b.h;
   }
   if (w.fp8_backward()) {
-    return backward_dgrad_fp8(rows, w, h, b, dx_rows, d_w_gate_up, d_w_down, stream);
+    DgradDone done;
+    done.dh_columns = backward_dgrad_fp8(rows, w, h, b, dx_rows, d_w_gate_up_wanted, stream);
+    return done;
   }
 
   // z = w_down^T dy (dy rows gathered, w_down read N-major) -> dh and a, padded since they
@@ -425,18 +384,26 @@ void backward_wgrad(const Rows& rows, const Experts& w, const BackwardBuffers& b
     // x straight from the token matrices (quantize_token_columns). dW_gate_up first: its
     // lhs, dh's copy, may be in lhs_fp8 already (written with dh's rows by the dgrad),
     // and dW_down's p dy goes into the same bytes. The order changes no bits (two
-    // separate outputs). dW_down may be done already (with dy's rows, by the dgrad).
+    // separate outputs).
+    const auto gemm = [&](int64_t m, int64_t n, const WeightGrad& g) {
+      sm90::KGroupedFp8GemmArgs args{b.lhs_fp8.q, b.lhs_fp8.scales, b.rhs_fp8.q,
+                                     b.rhs_fp8.scales, b.padded_rows, m, n, E,
+                                     rows.plan.tile_offsets};
+      args.c = g.bf16;
+      args.c_accumulate = g.f32;
+      sm90::k_grouped_fp8_gemm_tn(args, stream);
+    };
     if (d_w_gate_up.wanted()) {
       if (!done.dh_columns) quantize_columns(b.dh, b.padded_rows, 2 * I, b.lhs_fp8, stream);
       quantize_token_columns(rows, rows.x, nullptr, H, b.padded_rows, b.token_rows, b.rhs_fp8,
                              stream);
-      fp8_weight_gradient(rows, b, 2 * I, H, d_w_gate_up, stream);
+      gemm(2 * I, H, d_w_gate_up);
     }
-    if (d_w_down.wanted() && !done.d_w_down) {
+    if (d_w_down.wanted()) {
       quantize_token_columns(rows, rows.dy, rows.slot_weights, H, b.padded_rows, b.token_rows,
                              b.lhs_fp8, stream);
       quantize_columns(b.a, b.padded_rows, I, b.rhs_fp8, stream);
-      fp8_weight_gradient(rows, b, H, I, d_w_down, stream);
+      gemm(H, I, d_w_down);
     }
     return;
   }

@@ -25,10 +25,8 @@
 // and x into token_rows in bf16 before their column quantization, and
 // MEGAMOE_FP8_UNFUSED_ACT=1 writes the activation in bf16 and quantizes it after, for A/Bs
 // on the GPU: the same bits either way. dh's rows and its token-contiguous copy come from
-// one read of dh (quantize_fp8_rows_and_columns) when the caller wants both, and dy's
-// sorted rows and p dy's copy from one read of dy (quantize_fp8_columns_gathered_and_rows,
-// dW_down then run by the dgrad); MEGAMOE_FP8_UNFUSED_QUANT=1 quantizes them in separate
-// passes, for the same A/B. The weights'
+// one read of dh (quantize_fp8_rows_and_columns) when the caller wants both;
+// MEGAMOE_FP8_UNFUSED_QUANT=1 quantizes them in two passes, for the same A/B. The weights'
 // FP8 copies are the caller's (quantized once per optimizer step).
 #pragma once
 
@@ -163,9 +161,8 @@ struct BackwardBuffers {
   // as token matrices), one buffer in token_rows' bytes used in stream order before the dx
   // rows are written (x_fp8 = dy_fp8 when both are used); dh as rows; and the weight
   // gradients' operands, reused by both gradients in stream order: lhs [max(H, 2I),
-  // padded_rows], rhs [max(I, H), padded_rows]: p dy and a (written and read by the dgrad
-  // unless MEGAMOE_FP8_UNFUSED_QUANT), dh (written by the dgrad with dh's rows unless
-  // MEGAMOE_FP8_UNFUSED_QUANT) and x, then p dy and a if not yet done.
+  // padded_rows] (dh, written by the dgrad with dh's rows unless
+  // MEGAMOE_FP8_UNFUSED_QUANT, then p dy), rhs [max(I, H), padded_rows] (x, then a).
   Fp8Rows dy_fp8, x_fp8, dh_fp8;
   Fp8Columns lhs_fp8, rhs_fp8;
 };
@@ -178,22 +175,17 @@ struct DgradDone {
   // FP8: dh's token-contiguous copy (dW_gate_up's lhs) is in b.lhs_fp8, written by the
   // pass that quantized dh's rows for the L1 dgrad (one read of dh instead of two).
   bool dh_columns = false;
-  // FP8: dW_down is computed, its p dy copy made by the pass that quantized dy's sorted
-  // rows for the L2 dgrad (one read of dy less), and the GEMM run before dh's copy took
-  // lhs_fp8.
-  bool d_w_down = false;
 };
 
 // L1 recompute (unless saved_h, the forward's h for the same rows), dgrad of L2 with the
 // SwiGLU backward, and, when dx_rows, dgrad of L1 into b.token_rows. Afterwards, in stream
 // order, b.dp_partial holds each row's dp partials and b.token_rows its dx row.
-// d_w_gate_up, d_w_down: the weight gradients the caller's backward_wgrad will compute. An
-// FP8 dgrad (unless MEGAMOE_FP8_UNFUSED_QUANT) quantizes dh for dW_gate_up along with dh's
-// rows, and computes dW_down itself, its p dy quantized along with dy's rows; pass the
-// result on to backward_wgrad.
+// d_w_gate_up_wanted: the caller's backward_wgrad will compute dW_gate_up, so that an FP8
+// dgrad may quantize dh for it along with dh's rows (unless MEGAMOE_FP8_UNFUSED_QUANT);
+// pass the result on to backward_wgrad.
 DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16* saved_h,
                          const BackwardBuffers& b, bool dx_rows, cudaStream_t stream,
-                         const WeightGrad& d_w_gate_up = {}, const WeightGrad& d_w_down = {});
+                         bool d_w_gate_up_wanted = false);
 
 // The weight gradients dW_down = (p dy)^T a and dW_gate_up = dh^T x ([E, H, I] and
 // [E, 2I, H]; zeros, or nothing added, for experts without rows). Overwrites b.token_rows:

@@ -161,7 +161,7 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
   const chain::BackwardBuffers& b = w.backward;
   const chain::DgradDone done = chain::backward_dgrad(rows, experts, saved_h, b,
                                                       out.dx != nullptr, stream,
-                                                      out.d_w_gate_up, out.d_w_down);
+                                                      out.d_w_gate_up.wanted());
   if (out.dx != nullptr) {
     combine_rows(b.token_rows, H, plan.slot_row, nullptr, false, T, k, out.dx, stream);
   }
