@@ -391,15 +391,12 @@ class QuantizeFp8GatheredColumns : public GpuTest {
   // (kColumns128) of it, against quantize_fp8_columns_gathered into poisoned outputs: every
   // byte of q_t and every scale of the used row blocks (below tile_offsets[E]) equal, and
   // the rest of both still poison.
-  // With `with_rows`, quantize_fp8_columns_gathered_and_rows in place of
-  // quantize_fp8_columns_gathered, and its sorted rows against quantize_fp8_to_rows through
-  // the plan's slot_row: every byte of both (poisoned alike) equal.
   void check(int64_t T, int64_t k, int64_t H, int64_t E, const std::vector<int32_t>& ids,
-             bool weighted, uint64_t seed, bool with_rows = false) {
+             bool weighted, uint64_t seed) {
     SEEDED(seed);
     SCOPED_TRACE("T=" + std::to_string(T) + " k=" + std::to_string(k) + " H=" +
                  std::to_string(H) + " E=" + std::to_string(E) +
-                 (weighted ? " weighted" : " unweighted") + (with_rows ? " with rows" : ""));
+                 (weighted ? " weighted" : " unweighted"));
     std::mt19937_64 rng(seed);
     const int64_t n = T * k, padded = megamoe::padded_rows_bound(n, E);
     const int64_t blocks = padded / 128;
@@ -457,30 +454,7 @@ class QuantizeFp8GatheredColumns : public GpuTest {
     src.row_slot = plan.row_slot;
     src.slot_weights = w_d;
     src.num_experts = E;
-    // The sorted rows (with_rows): [n, H], scales [H/128][ld].
-    const int64_t ld = (n + 3) / 4 * 4 + 4, row_scales = H / 128 * ld;
-    megamoe::Fp8QuantizeArgs rows_sep, rows_fused;
-    if (with_rows) {
-      megamoe::Fp8QuantizeArgs r;
-      r.x = x_d;
-      r.x_row = H;
-      r.rows = T;
-      r.cols = H;
-      r.q_row = H;
-      r.s_0 = 1;
-      r.s_1 = ld;
-      rows_sep = rows_fused = r;
-      for (megamoe::Fp8QuantizeArgs* o : {&rows_sep, &rows_fused}) {
-        o->q = alloc<uint8_t>(n * H);
-        o->scales = alloc<float>(row_scales);
-        CUDA_OK(cudaMemset(o->q, kPoisonByte, n * H));
-        CUDA_OK(cudaMemset(o->scales, 0x7b, row_scales * sizeof(float)));
-      }
-      megamoe::quantize_fp8_to_rows(rows_sep, {plan.slot_row, k}, stream_);
-      megamoe::quantize_fp8_columns_gathered_and_rows(fused, src, rows_fused, stream_);
-    } else {
-      megamoe::quantize_fp8_columns_gathered(fused, src, stream_);
-    }
+    megamoe::quantize_fp8_columns_gathered(fused, src, stream_);
 
     const std::vector<uint8_t> want_q = download(unfused.q_t, H * padded),
                                got_q = download(fused.q_t, H * padded);
@@ -510,39 +484,16 @@ class QuantizeFp8GatheredColumns : public GpuTest {
     }
     EXPECT_EQ(bad_q, 0);
     EXPECT_EQ(bad_s, 0);
-    if (!with_rows) return;
-    const std::vector<uint8_t> want_rq = download(rows_sep.q, n * H),
-                               got_rq = download(rows_fused.q, n * H);
-    const std::vector<float> want_rs = download(rows_sep.scales, row_scales),
-                             got_rs = download(rows_fused.scales, row_scales);
-    int64_t bad_rq = 0, bad_rs = 0;
-    for (int64_t i = 0; i < n * H; ++i) {
-      if (got_rq[i] != want_rq[i] && bad_rq++ < 5) {
-        ADD_FAILURE() << "sorted row " << i / H << " column " << i % H << ": "
-                      << int(got_rq[i]) << ", expected " << int(want_rq[i]);
-      }
-    }
-    for (int64_t i = 0; i < row_scales; ++i) {
-      if (std::memcmp(&got_rs[i], &want_rs[i], 4) != 0 && bad_rs++ < 5) {
-        uint32_t got, want;
-        std::memcpy(&got, &got_rs[i], 4);
-        std::memcpy(&want, &want_rs[i], 4);
-        ADD_FAILURE() << "scale of sorted row " << i % ld << " block " << i / ld << ": "
-                      << std::hex << got << ", expected " << want;
-      }
-    }
-    EXPECT_EQ(bad_rq, 0);
-    EXPECT_EQ(bad_rs, 0);
   }
 
   // check() on random routings of each case, without and with slot weights.
-  void check_cases(const std::vector<RoutingCase>& cases, bool with_rows = false) {
+  void check_cases(const std::vector<RoutingCase>& cases) {
     for (const RoutingCase& c : cases) {
       for (const bool weighted : {false, true}) {
         const uint64_t seed = fresh_seed();
         std::mt19937_64 rng(seed);
         check(c.T, c.k, c.H, c.E, random_ids(c.T, c.k, c.E, c.empty, c.drop_every, rng),
-              weighted, seed, with_rows);
+              weighted, seed);
       }
     }
   }
@@ -570,32 +521,6 @@ TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantizeOnFewCtas) {
     const megamoe::SmLimit limit(sms);
     check_cases(cases);
     check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
-  }
-}
-
-// quantize_fp8_columns_gathered_and_rows: the columns as above, and the sorted rows of the
-// unscaled token rows as quantize_fp8_to_rows writes them (dropped slots' rows, past
-// expert_offsets[E], untouched), on the same routings, with the kernel's CTAs looping.
-TEST_F(QuantizeFp8GatheredColumns, AndSortedRowsEqualTheSeparateQuantizers) {
-  std::vector<RoutingCase> cases = routing_cases();
-  cases.push_back({1000, 2, 128, 1, -1, 0});
-  check_cases(cases, true);
-  check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, true, fresh_seed(), true);
-  check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed(), true);
-  for (const int64_t k : {16, 17}) {  // as many slots per token as a half-warp has lanes, and more
-    const uint64_t seed = fresh_seed();
-    std::mt19937_64 rng(seed);
-    check(70, k, 256, 64, random_ids(70, k, 64, 3, 9, rng), true, seed, true);
-  }
-}
-
-TEST_F(QuantizeFp8GatheredColumns, AndSortedRowsEqualTheSeparateQuantizersOnFewCtas) {
-  std::vector<RoutingCase> cases = routing_cases();
-  cases.push_back({700, 8, 512, 128, 9, 5});
-  for (const int sms : {1, 3}) {
-    SCOPED_TRACE("SmLimit " + std::to_string(sms));
-    const megamoe::SmLimit limit(sms);
-    check_cases(cases, true);
   }
 }
 
@@ -909,74 +834,4 @@ TEST(QuantizeFp8RowsAndColumnsErrors, ArgumentsNamed) {
   std::tie(r, t) = good();
   r.x = t.x = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(x) + 2);
   expect_invalid(call(r, t), "rows: x, q and q_t must be 16-byte aligned");
-}
-
-TEST(QuantizeFp8GatheredColumnsAndRowsErrors, ArgumentsNamed) {
-  alignas(16) static int32_t offsets[8] = {};
-  alignas(16) static uint16_t x[8] = {};
-  alignas(16) static uint16_t y[8] = {};
-  megamoe::Fp8QuantizeArgs columns;
-  columns.x = reinterpret_cast<const __nv_bfloat16*>(x);
-  columns.x_row = 128;
-  columns.rows = 256;
-  columns.cols = 128;
-  columns.q_t = reinterpret_cast<uint8_t*>(x);
-  columns.t_row = 256;
-  columns.scales = reinterpret_cast<float*>(x);
-  columns.s_0 = 1;
-  columns.s_1 = 128;
-  megamoe::Fp8QuantizeArgs rows;
-  rows.x = columns.x;
-  rows.x_row = 128;
-  rows.rows = 100;
-  rows.cols = 128;
-  rows.q = reinterpret_cast<uint8_t*>(y);
-  rows.q_row = 128;
-  rows.scales = reinterpret_cast<float*>(y);
-  rows.s_0 = 1;
-  rows.s_1 = 128;
-  megamoe::Fp8PaddedSource src;
-  src.expert_offsets = offsets;
-  src.tile_offsets = offsets;
-  src.row_token = offsets;
-  src.num_experts = 2;
-  // Every call below throws before any device work.
-  const auto call = [&](const megamoe::Fp8QuantizeArgs& c, const megamoe::Fp8QuantizeArgs& r,
-                        const megamoe::Fp8PaddedSource& s) {
-    return [c, r, s] { megamoe::quantize_fp8_columns_gathered_and_rows(c, s, r, nullptr); };
-  };
-  megamoe::Fp8QuantizeArgs c = columns, r = rows;
-  r.cols = 100;
-  expect_invalid(call(c, r, src), "rows: cols must be a positive multiple of 128");
-  r = rows;
-  r.x = reinterpret_cast<const __nv_bfloat16*>(y);
-  expect_invalid(call(c, r, src), "rows must quantize the token matrix of columns");
-  r = rows;
-  r.x_row = 256;
-  expect_invalid(call(c, r, src), "rows must quantize the token matrix of columns");
-  r = rows;
-  r.batches = 2;
-  expect_invalid(call(c, r, src), "rows must quantize the token matrix of columns");
-  c = columns;
-  c.batches = 2;
-  expect_invalid(call(c, rows, src), "columns: a gathered column quantization takes one matrix");
-  c = columns;
-  c.q = c.q_t;
-  expect_invalid(call(c, rows, src), "columns: needs q_t and no q");
-  megamoe::Fp8PaddedSource s = src;
-  s.num_experts = 0;
-  expect_invalid(call(columns, rows, s), "src.num_experts must be in [1, 2^31)");
-  s = src;
-  s.tile_offsets = nullptr;
-  expect_invalid(call(columns, rows, s), "null routing plan pointer in src");
-  r = rows;
-  r.q_t = columns.q_t;
-  expect_invalid(call(columns, r, src), "rows: needs q and no q_t");
-  r = rows;
-  r.scales = nullptr;
-  expect_invalid(call(columns, r, src), "rows: null pointer");
-  r = rows;
-  r.rows = 1;
-  r.q_row = 136;  // q's rows are used even for one token row: a stride of 16 bytes
-  expect_invalid(call(columns, r, src), "rows: row and batch strides must be multiples of 16");
 }

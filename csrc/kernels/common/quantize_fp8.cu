@@ -108,7 +108,6 @@ __device__ __forceinline__ void load_dests(const Fp8RowDests& dests, int64_t row
 // token -1 for a padding row (the expert's or the matrix's: zeros), slot only with weights.
 struct GatherRow {
   int32_t token = -1, slot = -1;
-  int32_t sorted = -1;  // the plan's sorted row (read only with the sorted rows' output)
 };
 
 __device__ __forceinline__ GatherRow gather_row(const Fp8PaddedSource& p, int64_t rows,
@@ -128,7 +127,6 @@ __device__ __forceinline__ GatherRow gather_row(const Fp8PaddedSource& p, int64_
   GatherRow g;
   if (row < rows && local < count) {
     const int64_t r = first + local;
-    g.sorted = static_cast<int32_t>(r);
     g.token = __ldg(&p.row_token[r]);
     if (p.slot_weights != nullptr) g.slot = __ldg(&p.row_slot[r]);
   }
@@ -323,64 +321,6 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
   }
 }
 
-// The loop of the gathered kernels (quantize_fp8_kernel's kGathered, below): the padded
-// rows `p` gives over the token matrix a.x, column-quantized into a.q_t. With kSortedRows,
-// each real padded row's values, before its slot weight, are also quantized 1x128 into
-// row `sorted` of rows_out (q, q_row, scales, s_0, s_1): a row's bits do not depend on
-// where they are written, so these are quantize_fp8_to_rows's through the plan's slot_row
-// (its inverse). Rows first: they need no shared memory and must see the unscaled values.
-template <bool kSortedRows>
-__device__ __forceinline__ void gathered_columns(const Fp8QuantizeArgs& a,
-                                                 const Fp8PaddedSource& p,
-                                                 const Fp8QuantizeArgs& rows_out,
-                                                 int64_t row_tiles, int64_t col_tiles,
-                                                 TileSmem& sm) {
-  const int32_t no_dests[kRowsPerThread] = {};
-  // Row tiles from tile_offsets[E] on have no rows of the plan and are not written.
-  const int64_t used = min(row_tiles, int64_t(max(__ldg(&p.tile_offsets[p.num_experts]), 0)));
-  const int64_t tiles = used * col_tiles, stride = gridDim.x;
-  int64_t tile = blockIdx.x;
-  if (tile >= tiles) return;
-  uint4 v[kRowsPerThread];
-  GatherRow g = gather_row(p, a.rows, tile / col_tiles), g1;
-  load_gathered(a, tile_pos(tile, used, col_tiles), g, v);
-  float w = slot_weight(p, g);
-  if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) / col_tiles);
-  for (;;) {
-    const int64_t next = tile + stride, after = next + stride;
-    uint4 vn[kRowsPerThread];
-    float w1 = 0.0f;
-    if (next < tiles) {
-      load_gathered(a, tile_pos(next, used, col_tiles), g1, vn);
-      w1 = slot_weight(p, g1);
-    }
-    GatherRow g2;
-    if (after < tiles) g2 = gather_row(p, a.rows, after / col_tiles);
-    const TilePos pos = tile_pos(tile, used, col_tiles);
-    if constexpr (kSortedRows) {
-      // Entry 0 of each row's one destination (lane 0 of the half-warp, as
-      // quantize_tile's kToRows reads destinations): its sorted row, -1 for a pad row.
-      int32_t d[kRowsPerThread];
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        const int32_t sorted = __shfl_sync(~0u, g.sorted, row_lane(i));
-        d[i] = threadIdx.x % kColGroups == 0 ? sorted : -1;
-      }
-      quantize_tile<Fp8Blocks::kRows1x128, true>(rows_out, pos, v, Fp8RowDests{nullptr, 1}, d,
-                                                 sm);
-    }
-    scale_gathered(p, g, w, v);
-    quantize_tile<Fp8Blocks::kColumns128, false>(a, pos, v, {}, no_dests, sm);
-    if (next >= tiles) break;
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
-    g = g1;
-    w = w1;
-    g1 = g2;
-    tile = next;
-  }
-}
-
 // A CTA of the kernels that loop (kToRows, kGathered) quantizes tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ... (a persistent grid of a few CTAs per SM): each tile's loads
 // are issued before the previous tile is quantized and stored, so that a CTA has a tile's
@@ -402,7 +342,37 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
   const int32_t no_dests[kRowsPerThread] = {};  // (for the kernels without destinations)
 
   if constexpr (kGathered) {
-    gathered_columns<false>(a, dests, {}, row_tiles, col_tiles, sm);
+    const Fp8PaddedSource& p = dests;
+    // Row tiles from tile_offsets[E] on have no rows of the plan and are not written.
+    const int64_t used = min(row_tiles, int64_t(max(__ldg(&p.tile_offsets[p.num_experts]), 0)));
+    const int64_t tiles = used * col_tiles, stride = gridDim.x;
+    int64_t tile = blockIdx.x;
+    if (tile >= tiles) return;
+    uint4 v[kRowsPerThread];
+    GatherRow g = gather_row(p, a.rows, tile / col_tiles), g1;
+    load_gathered(a, tile_pos(tile, used, col_tiles), g, v);
+    float w = slot_weight(p, g);
+    if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) / col_tiles);
+    for (;;) {
+      const int64_t next = tile + stride, after = next + stride;
+      uint4 vn[kRowsPerThread];
+      float w1 = 0.0f;
+      if (next < tiles) {
+        load_gathered(a, tile_pos(next, used, col_tiles), g1, vn);
+        w1 = slot_weight(p, g1);
+      }
+      GatherRow g2;
+      if (after < tiles) g2 = gather_row(p, a.rows, after / col_tiles);
+      scale_gathered(p, g, w, v);
+      quantize_tile<kBlocks, false>(a, tile_pos(tile, used, col_tiles), v, {}, no_dests, sm);
+      if (next >= tiles) break;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
+      g = g1;
+      w = w1;
+      g1 = g2;
+      tile = next;
+    }
   } else if constexpr (kToRows) {
     const int64_t tiles = a.batches * row_tiles * col_tiles, stride = gridDim.x;
     int64_t tile = blockIdx.x;
@@ -438,17 +408,6 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
     load_rows(a, pos, v);
     quantize_tile<kBlocks, false>(a, pos, v, {}, no_dests, sm);
   }
-}
-
-// quantize_fp8_columns_gathered_and_rows: the gathered kernel with the sorted rows' output.
-// A kernel of its own, not a template flag of quantize_fp8_kernel: its extra parameters
-// and registers stay out of the others.
-__global__ void __launch_bounds__(kThreads, 2)
-    quantize_fp8_gathered_and_rows_kernel(Fp8QuantizeArgs columns, Fp8QuantizeArgs rows,
-                                          int64_t row_tiles, int64_t col_tiles,
-                                          Fp8PaddedSource src) {
-  __shared__ TileSmem sm;
-  gathered_columns<true>(columns, src, rows, row_tiles, col_tiles, sm);
 }
 
 // quantize_fp8_rows_and_columns: each tile of x loaded once (the loads of the next tile in
@@ -554,26 +513,6 @@ unsigned persistent_grid(unsigned tiles) {
   return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t(per_sm) * sm_count()));
 }
 
-// The checks of quantize_fp8_columns_gathered's arguments; its grid (0: no work).
-unsigned checked_gathered_grid(const Fp8QuantizeArgs& a, const Fp8PaddedSource& src,
-                               const std::string& who = "") {
-  if (a.batches != 1) {
-    fail(who + "a gathered column quantization takes one matrix (batches = 1)");
-  }
-  if (src.num_experts < 1 || src.num_experts > INT_MAX) {
-    fail("src.num_experts must be in [1, 2^31)");
-  }
-  const unsigned grid = checked_grid(Fp8Blocks::kColumns128, a, false, who);
-  if (grid == 0) return 0;
-  // x's rows are tokens, any of which a padded row may name: its stride is always used.
-  if (a.x_row % 8) fail(who + "row and batch strides must be multiples of 16 bytes");
-  if (!src.expert_offsets || !src.tile_offsets || !src.row_token ||
-      (src.slot_weights && !src.row_slot)) {
-    fail("null routing plan pointer in src");
-  }
-  return grid;
-}
-
 }  // namespace
 
 void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t stream) {
@@ -596,30 +535,21 @@ void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t strea
 
 void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSource& src,
                                    cudaStream_t stream) {
-  const unsigned grid = checked_gathered_grid(a, src);
+  if (a.batches != 1) fail("a gathered column quantization takes one matrix (batches = 1)");
+  if (src.num_experts < 1 || src.num_experts > INT_MAX) {
+    fail("src.num_experts must be in [1, 2^31)");
+  }
+  const unsigned grid = checked_grid(Fp8Blocks::kColumns128, a, false);
   if (grid == 0) return;
+  // x's rows are tokens, any of which a padded row may name: its stride is always used.
+  if (a.x_row % 8) fail("row and batch strides must be multiples of 16 bytes");
+  if (!src.expert_offsets || !src.tile_offsets || !src.row_token ||
+      (src.slot_weights && !src.row_slot)) {
+    fail("null routing plan pointer in src");
+  }
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>;
   kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(a, row_tiles_of(a),
                                                                  a.cols / kTile, src);
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-void quantize_fp8_columns_gathered_and_rows(const Fp8QuantizeArgs& columns,
-                                            const Fp8PaddedSource& src,
-                                            const Fp8QuantizeArgs& rows, cudaStream_t stream) {
-  check_sizes(Fp8Blocks::kRows1x128, rows, "rows: ");
-  if (rows.x != columns.x || rows.x_row != columns.x_row || rows.cols != columns.cols ||
-      rows.batches != 1) {
-    fail("rows must quantize the token matrix of columns (x, x_row and cols equal, "
-         "batches = 1)");
-  }
-  const unsigned grid = checked_gathered_grid(columns, src, "columns: ");
-  // The sorted rows are written only where the plan has rows: their q rows always used.
-  checked_grid(Fp8Blocks::kRows1x128, rows, true, "rows: ");
-  if (grid == 0) return;
-  constexpr auto kernel = &quantize_fp8_gathered_and_rows_kernel;
-  kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(
-      columns, rows, row_tiles_of(columns), columns.cols / kTile, src);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -96,17 +96,4 @@ struct Fp8PaddedSource {
 void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& args, const Fp8PaddedSource& src,
                                    cudaStream_t stream);
 
-// quantize_fp8_columns_gathered(columns, src) and, from the same loads, quantize_fp8_to_rows
-// of the token matrix into the plan's sorted rows: `rows` as for quantize_fp8_to_rows (x,
-// x_row and cols as columns', rows = the token matrix's, q, q_row, scales, s_0, s_1 the
-// sorted copy, batches = 1) with the plan's slot_row as destinations (the inverse of
-// row_slot, whose rows are those of row_token), unscaled by the slot weights: every sorted
-// row below expert_offsets[E] written once, from its padded row, the others untouched. For
-// dy, whose sorted rows the L2 dgrad reads and whose p dy columns dW_down: the token rows
-// are read once for both instead of once more by quantize_fp8_to_rows. Errors name the
-// argument set ("rows: ", "columns: ").
-void quantize_fp8_columns_gathered_and_rows(const Fp8QuantizeArgs& columns,
-                                            const Fp8PaddedSource& src,
-                                            const Fp8QuantizeArgs& rows, cudaStream_t stream);
-
 }  // namespace megamoe
