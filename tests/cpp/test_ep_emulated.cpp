@@ -219,7 +219,7 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EpEmulated,
-                         ::testing::Combine(::testing::Values(2, 8),
+                         ::testing::Combine(::testing::Values(2, 4, 8),
                                             ::testing::Values(kDefault, kEpilogueCombine,
                                                               kOverlapDispatch,
                                                               kOverlapAndEpilogue)),
