@@ -38,7 +38,11 @@ __global__ void __launch_bounds__(kCopyThreads)
     char* dst = peers.buffers[source];
     auto* out = at<__nv_bfloat16>(dst, layout.combine_rows) +
                 (int64_t(peers.rank) * layout.max_tokens + t) * H;
-    for (int c = lane * 8; c < H; c += 32 * 8) {
+    // Every lane runs every pass (the shuffles below need the whole warp), also where H is
+    // not a multiple of 256 and the last pass covers only some lanes' columns.
+    for (int c0 = 0; c0 < H; c0 += 32 * 8) {
+      const int c = c0 + lane * 8;
+      const bool in_row = c < H;
       float acc[8] = {};
       for (int j0 = 0; j0 < k; j0 += kCopyBatch) {  // kCopyBatch rows' loads in flight, then in order
         uint4 v[kCopyBatch];
@@ -48,14 +52,14 @@ __global__ void __launch_bounds__(kCopyThreads)
           const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
           w[b] = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
           const bool used = j0 + b < k && row >= 0;
-          v[b] = used ? *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c)
-                      : make_uint4(0, 0, 0, 0);
+          v[b] = used && in_row ? *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c)
+                                : make_uint4(0, 0, 0, 0);
           if (!used) w[b] = 0.f;
         }
 #pragma unroll
         for (int b = 0; b < kCopyBatch; ++b) fma_row(acc, w[b], v[b]);
       }
-      *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
+      if (in_row) *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
     }
     if (dp_rows != nullptr && my_row >= 0) at<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[my_row];
   }
@@ -150,7 +154,10 @@ __global__ void __launch_bounds__(kCopyThreads)
     }
     __syncwarp();  // every lane's reads below after every lane's acquire
 
-    for (int c = lane * 8; c < H; c += 32 * 8) {
+    // Every lane runs every pass (the shuffles need the whole warp), as in combine_send.
+    for (int c0 = 0; c0 < H; c0 += 32 * 8) {
+      const int c = c0 + lane * 8;
+      const bool in_row = c < H;
       float acc[8] = {};
       for (int d = 0; d < world; ++d) {
         if (token_pos[t * world + d] < 0) continue;
@@ -164,8 +171,9 @@ __global__ void __launch_bounds__(kCopyThreads)
             const int slot_owner = __shfl_sync(0xffffffffu, owner, j % 32);
             w[b] = __shfl_sync(0xffffffffu, weight, j % 32);
             const bool used = j < k && slot_owner == d;
-            v[b] = used ? *reinterpret_cast<const uint4*>(slot_rows + (t * k + j) * H + c)
-                        : make_uint4(0, 0, 0, 0);
+            v[b] = used && in_row
+                       ? *reinterpret_cast<const uint4*>(slot_rows + (t * k + j) * H + c)
+                       : make_uint4(0, 0, 0, 0);
             if (!used) w[b] = 0.f;
           }
 #pragma unroll
@@ -173,7 +181,7 @@ __global__ void __launch_bounds__(kCopyThreads)
         }
         fma_row(acc, 1.f, pack_row(part));
       }
-      *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
+      if (in_row) *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
     }
     // Ready for the next call: no owner adds to it before this rank's next dispatch phase.
     if (my_done != nullptr) *my_done = 0;
