@@ -113,6 +113,8 @@ def record(args, rest) -> int:
         print(f"[probe] stopped after step {args.stop_after}", flush=True)
     finally:
         handle.remove()
+        optim_mod.clip_and_step = inner
+        trainer._train_loop = inner_loop
         out.close()
     return 0
 
