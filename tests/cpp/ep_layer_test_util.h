@@ -44,6 +44,14 @@ constexpr double kEpVsOneGpu = 5e-3;  // y and dx: one bf16 rounding per owner's
 constexpr int64_t kLongTimeoutNs = 10'000'000'000;
 enum class Routing { kRandom, kAllOnLastRank };
 
+// The EP forward's paths, by their Group switches (docs/expert-parallel.md, "Forward
+// overlap"); every one must give the default path's bits.
+enum EpPath { kDefault = 0, kEpilogueCombine = 1, kOverlapDispatch = 2, kOverlapAndEpilogue = 3 };
+inline const char* const kEpPathNames[] = {"Default", "EpilogueCombine", "OverlapDispatch",
+                                           "Overlap_EpilogueCombine"};
+inline constexpr int kEpPaths[] = {kDefault, kEpilogueCombine, kOverlapDispatch,
+                                   kOverlapAndEpilogue};
+
 // Bytes of each rank's symmetric buffer for g (whose buffers need not exist yet).
 inline size_t ep_buffer_bytes(megamoe::ep::Group g) {
   for (int r = 0; r < g.peers.world_size; ++r) g.peers.buffers[r] = reinterpret_cast<char*>(1);
@@ -481,6 +489,10 @@ class EpLayerTest : public RanksTest {
   }
 
   // The EP=W groups' forward path (read by prepare()).
+  void use_path(int path) {
+    epilogue_combine_ = (path & kEpilogueCombine) != 0;
+    overlap_dispatch_ = (path & kOverlapDispatch) != 0;
+  }
   bool epilogue_combine_ = false;
   bool overlap_dispatch_ = false;
   Problem p_;

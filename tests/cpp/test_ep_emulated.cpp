@@ -26,19 +26,12 @@ namespace {
 using megamoe::comm::Phase;
 using megamoe_test::Routing;
 
-// The forward paths, by their Group switches.
-enum Path { kDefault = 0, kEpilogueCombine = 1, kOverlapDispatch = 2, kOverlapAndEpilogue = 3 };
-const char* const kPathNames[] = {"", "_EpilogueCombine", "_OverlapDispatch",
-                                  "_Overlap_EpilogueCombine"};
-
 // Parameters: the emulated world size, and the forward's path.
 class EpEmulated : public megamoe_test::EpLayerTest,
                    public ::testing::WithParamInterface<std::tuple<int, int>> {
  protected:
   void SetUp() override {
-    const int path = std::get<1>(GetParam());
-    epilogue_combine_ = (path & kEpilogueCombine) != 0;
-    overlap_dispatch_ = (path & kOverlapDispatch) != 0;
+    use_path(std::get<1>(GetParam()));
     emulate(std::get<0>(GetParam()));
   }
 };
@@ -220,12 +213,13 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EpEmulated,
                          ::testing::Combine(::testing::Values(2, 4, 8),
-                                            ::testing::Values(kDefault, kEpilogueCombine,
-                                                              kOverlapDispatch,
-                                                              kOverlapAndEpilogue)),
+                                            ::testing::ValuesIn(megamoe_test::kEpPaths)),
                          [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
+                           const int path = std::get<1>(info.param);
                            return "EP" + std::to_string(std::get<0>(info.param)) +
-                                  kPathNames[std::get<1>(info.param)];
+                                  (path == megamoe_test::kDefault
+                                       ? std::string()
+                                       : "_" + std::string(megamoe_test::kEpPathNames[path]));
                          });
 
 }  // namespace
