@@ -32,6 +32,7 @@ BACKWARD_MODES = ("recompute", "saved")
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 LOSS_IMPLEMENTATIONS = ("auto", "compiled", "eager")
 RESHARD_POLICIES = ("default", "always", "never")
+FSDP_POLICIES = ("auto", "always")
 
 
 class ConfigError(ValueError):
@@ -179,6 +180,10 @@ class ParallelConfig:
                                         "than one rank, never the last decoder layer; "
                                         "every unit on one GPU with fused FP8 experts)",
                                         choices=RESHARD_POLICIES)
+    fsdp: str = option("auto", "'auto': FSDP2 where there is more than one rank; on one rank "
+                       "the model computes in bf16 copies of fp32 master weights that the "
+                       "optimizer steps (FSDP2's numbers without its copies); 'always': "
+                       "FSDP2 on one rank too", choices=FSDP_POLICIES)
 
 
 @dataclass

@@ -260,6 +260,12 @@ def apply_compile(model) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+def uses_fsdp(config: Config, world_size: int) -> bool:
+    """parallel.fsdp: 'auto' shards with FSDP2 only where there is more than one rank
+    (megamoe.train.mixed_precision is the one-rank path)."""
+    return config.parallel.fsdp == "always" or world_size > 1
+
+
 def reshard_after_forward(policy: str, mesh_size: int, *, last_layer: bool = False) -> bool:
     """Whether an FSDP2 unit frees its unsharded (param_dtype) parameters after its forward
     (parallel.reshard_after_forward). 'default': only where its mesh spans more than one

@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from . import distributed, metrics
 from . import model as model_mod
 from . import optim as optim_mod
 from .config import Config, ConfigError
+from .mixed_precision import MasterWeights
 
 DEFAULT_GPU = "default-gpu"
 DEFAULT_CPU = "default-cpu"
@@ -261,6 +262,8 @@ class Setup:
     dispatch: str
     counts: dict
     aux_coef: float
+    params: list = field(default_factory=list)  # what the optimizer steps
+    masters: MasterWeights | None = None         # one rank without FSDP2
     start_step: int = 0
     resumed_from: str | None = None
 
@@ -298,27 +301,43 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     trainer = model_mod.CausalLMTrainer(model, config.train.loss_chunk_size, aux_coef,
                                         config.train.loss_implementation)
     param_dtype = torch.bfloat16 if config.train.dtype == "bf16" else torch.float32
-    reshard, why = model_mod.reshard_policy(config, device, info.world_size)
-    if why:
-        say(why)
-    model_mod.apply_fsdp(trainer, model, world_mesh, expert_mesh, param_dtype, info.world_size,
-                         reshard)
+    masters = None
+    if model_mod.uses_fsdp(config, info.world_size):
+        reshard, why = model_mod.reshard_policy(config, device, info.world_size)
+        if why:
+            say(why)
+        model_mod.apply_fsdp(trainer, model, world_mesh, expert_mesh, param_dtype,
+                             info.world_size, reshard)
+    else:
+        say("one rank: no FSDP2 (parallel.fsdp = 'auto')" + (
+            "; the model computes in bf16 copies of the fp32 weights the optimizer steps"
+            if param_dtype == torch.bfloat16 else ""))
+        if config.parallel.reshard_after_forward != "default":
+            say("parallel.reshard_after_forward is an FSDP2 setting: it has no effect here "
+                "(set parallel.fsdp = 'always' to use FSDP2 on one rank)")
+        masters = MasterWeights(model, param_dtype,
+                                [block.gate for block in model_mod.moe_blocks(model)])
     if state.ep > 1:
         fqns = {name for name, _ in model.named_parameters() if ".experts." in f".{name}"}
         expert_views = ckpt.ExpertViews(fqns, dp_ep_mesh, state.ep)
 
-    optimizer = optim_mod.build_optimizer(list(model.parameters()), config.optim, device)
+    # Without FSDP2 the optimizer and the checkpoints see the masters, under the model's
+    # names; with it, the model's own (sharded fp32) parameters.
+    owner = model if masters is None else masters.module
+    params = [p for p in owner.parameters() if p.requires_grad]
+    optimizer = optim_mod.build_optimizer(params, config.optim, device)
     scheduler = optim_mod.build_scheduler(optimizer, config.optim, config.train.steps)
     loader = data_mod.DataLoader(sequences, config.train.micro_batch_size, config.train.grad_accum,
                                  info.rank, info.world_size, device)
     log_dir = Path(config.log.dir)
     root = Path(config.checkpoint.dir) if config.checkpoint.dir else log_dir / "checkpoints"
-    checkpointer = ckpt.Checkpointer(root, model, optimizer, scheduler, loader, rank=info.rank,
+    checkpointer = ckpt.Checkpointer(root, owner, optimizer, scheduler, loader, rank=info.rank,
                                      expert_views=expert_views,
                                      keep_last=config.checkpoint.keep_last)
     setup = Setup(model=model, trainer=trainer, optimizer=optimizer, scheduler=scheduler,
                   loader=loader, checkpointer=checkpointer, dispatch=dispatch,
-                  counts=model_mod.count_parameters(model), aux_coef=aux_coef)
+                  counts=model_mod.count_parameters(model), aux_coef=aux_coef,
+                  params=params, masters=masters)
     _maybe_resume(config, setup, root, say)
     return setup
 
@@ -332,6 +351,8 @@ def _maybe_resume(config: Config, setup: Setup, root: Path, say) -> None:
         say(f"checkpoint.resume = 'latest': no checkpoint in {root}, starting from step 0")
         return
     step, had_rng = setup.checkpointer.load(path)
+    if setup.masters is not None:
+        setup.masters.copy_to_model()
     if not had_rng:
         say(f"{path} holds no RNG state for this rank (another world size?): RNG not restored")
     if step >= config.train.steps:
@@ -356,7 +377,7 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
     flops_token = metrics.flops_per_token(setup.counts, seq_len)
     gpu_name = _device_name(device) if cuda else None
     peak = metrics.peak_tflops(gpu_name, config.log.peak_tflops) if cuda else None
-    params = [p for p in setup.model.parameters() if p.requires_grad]
+    params = setup.params
     inv_tokens, inv_accum = 1.0 / (seq_len * batch), 1.0 / accum
     summary_base = _summary_base(config, state, setup, command, gpu_name, peak, flops_token,
                                  tokens_per_rank)
@@ -389,6 +410,8 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             grad_norm = optim_mod.clip_and_step(setup.optimizer, params, config.optim.grad_clip)
             setup.scheduler.step()
             setup.optimizer.zero_grad(set_to_none=True)
+            if setup.masters is not None:
+                setup.masters.copy_to_model()
             opt_end = clock.mark()
             sums = distributed.all_reduce_sum(torch.stack([ce_sum, aux_sum]))
             # The step's one host sync (the grad norm is already the same on every rank).
