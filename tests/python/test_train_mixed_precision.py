@@ -10,7 +10,7 @@ from torch import nn
 
 from megamoe.train import config as config_mod
 from megamoe.train import model as model_mod
-from megamoe.train.mixed_precision import MasterWeights, _place
+from megamoe.train.mixed_precision import MasterAdamW, MasterWeights, _place
 from megamoe.train.trainer import main
 
 COMMON = ["default-cpu", "--train.dtype", "bf16", "--log.plot", "false",
@@ -60,7 +60,7 @@ def test_master_weights_layout_gradients_and_casts():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     routers = [block.gate for block in model_mod.moe_blocks(model)]
     router_params = {id(p) for r in routers for p in r.parameters()}
-    masters = MasterWeights(model, torch.bfloat16, routers)
+    masters = MasterWeights(model, torch.bfloat16, routers, accumulate_in_fp32=True)
 
     # The masters carry the model's names (the checkpoint's keys) and its fp32 values.
     assert list(masters.module.state_dict()) == list(model.state_dict())
@@ -97,6 +97,57 @@ def test_master_weights_layout_gradients_and_casts():
     masters.copy_to_model()
     for param, master in masters.pairs:
         assert torch.equal(param, master.bfloat16())
+
+
+def test_without_accumulation_the_gradients_stay_in_bf16():
+    model, hf_config = _tiny_model()
+    masters = MasterWeights(model, torch.bfloat16,
+                            [block.gate for block in model_mod.moe_blocks(model)])
+    optimizer = MasterAdamW(masters, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ids = torch.randint(0, hf_config.vocab_size, (1, 16))
+    model(input_ids=ids).logits.float().square().mean().backward()
+    for param, master in masters.pairs:
+        assert master.grad is None and param.grad.dtype == torch.bfloat16
+        assert optimizer.gradient(master) is param.grad
+    before = [m.detach().clone() for _, m in masters.pairs]
+    norm = optimizer.clip_and_step(1.0)
+    assert norm > 0
+    # The step moved every master and wrote its bf16 copy; zero_grad clears both sides.
+    for (param, master), old in zip(masters.pairs, before):
+        assert not torch.equal(master, old) and torch.equal(param, master.bfloat16())
+    optimizer.zero_grad()
+    assert all(p.grad is None and m.grad is None for p, m in masters.pairs)
+
+
+def test_master_adamw_equals_torch_adamw_on_fp32_gradients():
+    # The same parameters and gradients through torch's AdamW (+ clipping by the norm) and
+    # MasterAdamW's clip_and_step, three steps: bitwise equal off CUDA.
+    torch.manual_seed(0)
+    values = [torch.randn(33, 7), torch.randn(5)]
+    grads = [[torch.randn_like(v) * 3 for v in values] for _ in range(3)]
+    model = nn.Module()
+    model.a, model.b = nn.Parameter(values[0].clone()), nn.Parameter(values[1].clone())
+    masters = MasterWeights(model, torch.bfloat16)
+    ours = MasterAdamW(masters, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    theirs_params = [nn.Parameter(v.clone()) for v in values]
+    theirs = torch.optim.AdamW(theirs_params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                               weight_decay=0.1, foreach=True)
+    for step in grads:
+        for (param, _), g in zip(masters.pairs, step):
+            param.grad = g.bfloat16()
+        for p, g in zip(theirs_params, step):
+            p.grad = g.bfloat16().float()
+        norm = ours.clip_and_step(1.0)
+        expected = torch.nn.utils.clip_grad_norm_(theirs_params, 1.0, foreach=True)
+        theirs.step()
+        ours.zero_grad()
+        theirs.zero_grad()
+        assert torch.allclose(norm, expected, rtol=1e-6)
+    for (param, master), p in zip(masters.pairs, theirs_params):
+        assert torch.allclose(master, p, rtol=1e-6, atol=1e-7)
+        assert torch.equal(param, master.bfloat16())
+    state = ours.state_dict()["state"][0]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 3
 
 
 def test_fp32_training_keeps_the_model_parameters():

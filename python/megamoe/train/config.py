@@ -130,7 +130,9 @@ class OptimConfig:
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = no clipping",
                               minimum=0.0)
     implementation: str = option("auto", "AdamW implementation: 'auto' (fused on GPU, "
-                                 "foreach on CPU), 'fused', 'foreach' or 'for_loop'",
+                                 "foreach on CPU), 'fused', 'foreach' or 'for_loop'; on one "
+                                 "rank without FSDP2 'fused' is megamoe's one-pass step of "
+                                 "the fp32 masters and their bf16 copies",
                                  choices=("auto", "fused", "foreach", "for_loop"))
 
 

@@ -116,6 +116,8 @@ def clip_and_step(optimizer, params, max_norm: float) -> torch.Tensor:
     1 / clip coefficient for this step (and reset after), which saves a separate read and
     write of every gradient; the result equals clip-then-step to rounding (the kernel
     divides by the reciprocal instead of multiplying)."""
+    if hasattr(optimizer, "clip_and_step"):  # mixed_precision.MasterAdamW
+        return optimizer.clip_and_step(max_norm)
     params = list(params)
     if max_norm <= 0 or not _takes_grad_scale(optimizer):
         norm = clip_grad_norm(params, max_norm)

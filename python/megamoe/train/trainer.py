@@ -27,7 +27,7 @@ from . import distributed, metrics
 from . import model as model_mod
 from . import optim as optim_mod
 from .config import Config, ConfigError
-from .mixed_precision import MasterWeights
+from .mixed_precision import MasterAdamW, MasterWeights
 
 DEFAULT_GPU = "default-gpu"
 DEFAULT_CPU = "default-cpu"
@@ -316,7 +316,8 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
             say("parallel.reshard_after_forward is an FSDP2 setting: it has no effect here "
                 "(set parallel.fsdp = 'always' to use FSDP2 on one rank)")
         masters = MasterWeights(model, param_dtype,
-                                [block.gate for block in model_mod.moe_blocks(model)])
+                                [block.gate for block in model_mod.moe_blocks(model)],
+                                accumulate_in_fp32=config.train.grad_accum > 1)
     if state.ep > 1:
         fqns = {name for name, _ in model.named_parameters() if ".experts." in f".{name}"}
         expert_views = ckpt.ExpertViews(fqns, dp_ep_mesh, state.ep)
@@ -325,7 +326,12 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     # names; with it, the model's own (sharded fp32) parameters.
     owner = model if masters is None else masters.module
     params = [p for p in owner.parameters() if p.requires_grad]
-    optimizer = optim_mod.build_optimizer(params, config.optim, device)
+    if masters is None:
+        optimizer = optim_mod.build_optimizer(params, config.optim, device)
+    else:
+        o = config.optim
+        optimizer = MasterAdamW(masters, lr=o.lr, betas=o.betas, eps=o.eps,
+                                weight_decay=o.weight_decay, implementation=o.implementation)
     scheduler = optim_mod.build_scheduler(optimizer, config.optim, config.train.steps)
     loader = data_mod.DataLoader(sequences, config.train.micro_batch_size, config.train.grad_accum,
                                  info.rank, info.world_size, device)
@@ -410,8 +416,6 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
             grad_norm = optim_mod.clip_and_step(setup.optimizer, params, config.optim.grad_clip)
             setup.scheduler.step()
             setup.optimizer.zero_grad(set_to_none=True)
-            if setup.masters is not None:
-                setup.masters.copy_to_model()
             opt_end = clock.mark()
             sums = distributed.all_reduce_sum(torch.stack([ce_sum, aux_sum]))
             # The step's one host sync (the grad norm is already the same on every rank).
