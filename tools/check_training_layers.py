@@ -38,7 +38,9 @@ recomputed gradients against those the run produced (bitwise, rel). A per-layer 
 one verdict line per quantity (which backend is closer to float64, by how much) are
 printed and written to OUT_DIR/grads-summary.txt. Host memory: about 2.7 GB per checked
 call at 16384 tokens, H=2048, I=768, 128 experts (the weights and their gradients in bf16);
-GPU memory during the checks: the float64 copies (about 25 GB for such a call).
+GPU memory during the checks, after the run's is freed: the float64 weights, gradients and
+autograd graph of one call (a few tens of GB for such a call). Not under expert
+parallelism or train.compile.
 "Step" counts the forwards of the first MoE layer, i.e. micro-batches with grad_accum > 1.
 """
 
@@ -128,10 +130,11 @@ class GradCapture:
                 record["inputs"] = _to_host(inputs)  # the backward uses the recompute's
         else:
             return real_moe(x, ids, p, w1, w2, **kwargs)
-        # Each differentiable input goes in through a view of its own, so a hook on the
-        # view sees exactly the gradient this call's backward gives that input (x and the
-        # top-k weights are also used by the router). Only the graph the backward runs
-        # fires its hooks: the forward's under non-reentrant checkpointing.
+        # Each differentiable input goes in through a view of its own: a hook on the view
+        # sees exactly the gradient this call's backward gives that input, whatever else
+        # uses the tensor, and no hook stays on the parameters after the step. Only the
+        # graph the backward runs fires its hooks: the forward's under non-reentrant
+        # checkpointing (the recompute only refills that graph's saved tensors).
         names = ("dx", None, "d_topk_weights", "d_gate_up_proj", "d_down_proj")
         args = [self._hooked(t, record, name) if name else t
                 for t, name in zip((x, ids, p, w1, w2), names)]
@@ -176,7 +179,8 @@ def compare(g: torch.Tensor, ref: torch.Tensor) -> dict:
         a = g[start:start + CHUNK].to(ref.device, torch.float64)
         b = ref[start:start + CHUNK].to(torch.float64)
         d = a - b
-        dot, gg, rr, dd = dot + (a * b).sum(), gg + (a * a).sum(), rr + (b * b).sum(), dd + (d * d).sum()
+        dot, gg = dot + (a * b).sum(), gg + (a * a).sum()
+        rr, dd = rr + (b * b).sum(), dd + (d * d).sum()
         dmax, rmax = torch.maximum(dmax, d.abs().max()), torch.maximum(rmax, b.abs().max())
     dot, gg, rr, dd, dmax, rmax = torch.stack([dot, gg, rr, dd, dmax, rmax]).tolist()
     tiny = 1e-300
@@ -225,9 +229,14 @@ def check_call(step: int, layer: int, record: dict) -> dict:
            "dy_norm": dy.double().norm().item(),
            "norm64": {name: g.norm().item() for name, g in g64.items()},
            "float64_crosscheck": cross, "vs_float64": {}, "replay": {}}
+    # The torch backend in bf16 is the second column, unless it is the run's backend.
     run_label = opts["backend"]
+    if opts["precision"] != "bf16" and opts["backend"] != "reference":
+        run_label += f"-{opts['precision']}"
+    elif opts["backend"] == "torch" and inputs["x"].dtype != torch.bfloat16:
+        run_label += "-" + str(inputs["x"].dtype).removeprefix("torch.")
     runs = [(run_label, inputs, dict(opts))]
-    if (opts["backend"], opts["precision"]) != ("torch", "bf16"):
+    if run_label != "torch":
         bf16 = {n: t.to(torch.bfloat16) if t.is_floating_point() and n != "p" else t
                 for n, t in inputs.items()}
         runs.append(("torch", bf16, {"backend": "torch", "precision": "bf16"}))
@@ -349,7 +358,7 @@ def verdict(rows: list[dict], labels: list[str], name: str) -> str:
                       f"{median(label, 'proj'):.5f}" for label in labels)
     if len(labels) < 2:
         return (f"{name:<15} {labels[0]} rel err {median(labels[0], 'rel'):.2e}; {scale} "
-                "(the run's backend is the torch one: nothing to set beside it)")
+                "(the run's backend is the torch backend in bf16: no second one)")
     a, b = labels[:2]
     ra, rb = median(a, "rel"), median(b, "rel")
     closer, other = (a, b) if ra <= rb else (b, a)
