@@ -156,7 +156,7 @@ class GradCapture:
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     # A copy also on CPU, where .cpu() would alias storage that the run overwrites or frees
-    # (the optimizer's in-place step, FSDP's resharding).
+    # (the optimizer's in-place step, the refresh of bf16 compute copies, FSDP's resharding).
     return t.detach().to("cpu", copy=True)
 
 
