@@ -30,6 +30,10 @@
 #   skew           the fused layer's training-scale skewed-routing tests
 #   checktrain     megamoe-train-bench's config with every experts call checked against the
 #                  torch backend (tools/check_training_layers.py; CHECK_STEPS, default 70)
+#   gradcheck      the same config's run to step GRADS_STEP (default 100), whose experts calls'
+#                  backward is replayed by the run's backend, the torch backend and float64
+#                  (tools/check_training_layers.py --grads-at-step; GRADS_ARGS: extra arguments,
+#                  e.g. "--grads-calls 4" or trainer overrides)
 #   ncu:P:MODEL    Nsight Compute (full set) of one fused forward of MODEL at precision P
 #   ncustall:P:MODEL  Nsight Compute's warp-state, scheduler and source-counter sections of
 #                  the same forward's GEMMs
@@ -146,6 +150,11 @@ for stage in "$@"; do
     checktrain)
       run checktrain.log python3 tools/check_training_layers.py "$work/checktrain" \
         --stop-after "${CHECK_STEPS:-70}" bench-qwen3-30b-a3b --log.dir "$work/checktrain-run" ;;
+    gradcheck)
+      # shellcheck disable=SC2086
+      run gradcheck.log python3 tools/check_training_layers.py "$work/gradcheck" \
+        --grads-at-step "${GRADS_STEP:-100}" bench-qwen3-30b-a3b \
+        --log.dir "$work/gradcheck-run" ${GRADS_ARGS:-} ;;
     ncu:*)
       spec=${stage#ncu:}; precision=${spec%%:*}; model=${spec#*:}
       run "ncu-$precision-$model.log" ncu --clock-control none --profile-from-start off --set full -k regex:gemm \
