@@ -78,12 +78,15 @@ def record(args, rest) -> int:
         state["step"] += 1
         step = state["step"]
         names = [f"param{i}:{tuple(p.shape)}" for i, p in enumerate(params)]
-        owner = trainer_model[0]
+        # One rank without FSDP2 (megamoe.train.mixed_precision): the optimizer steps masters
+        # named in its own module, whose gradients may sit in their bf16 copies.
+        owner = getattr(getattr(optimizer, "weights", None), "module", None) or trainer_model[0]
         if owner is not None:
             by_id = {id(p): n for n, p in owner.named_parameters()}
             names = [by_id.get(id(p), names[i]) for i, p in enumerate(params)]
-        grads = [checksum(p.grad) if p.grad is not None else torch.zeros((), dtype=torch.int64,
-                 device=params[0].device) for p in params]
+        gradient = getattr(optimizer, "gradient", lambda p: p.grad)
+        grads = [checksum(g) if (g := gradient(p)) is not None
+                 else torch.zeros((), dtype=torch.int64, device=params[0].device) for p in params]
         calls = torch.stack([c for _, c in state["calls"]]).tolist() if state["calls"] else []
         line = {"step": step,
                 "calls": [[kind, value] for (kind, _), value in zip(state["calls"], calls)],
