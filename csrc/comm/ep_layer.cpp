@@ -86,28 +86,45 @@ void combine_phase(const Call& c, cudaStream_t stream) {
 
 // The overlapped forward's second stream (and its fork and join events) of a rank: one per
 // (device, rank's buffer), made at the rank's first overlapped call and kept for the
-// process. Keyed by the rank, not by the caller's stream, so that a CUDA graph captured on
-// a stream of its own (torch's capture stream) finds the one made by an earlier eager call:
-// creating them during a capture may not be allowed (the first call is then to come before
-// the capture, as the kernel loads already ask). Per rank, not per device: emulated ranks
-// share a device, and a rank's side work queued behind another rank's spinning phase kernel
-// would wait for it. A rank's calls are collective, so they never run on two streams at once.
+// process, or the caller's (set_side_stream). Keyed by the rank, not by the caller's stream,
+// so that a CUDA graph captured on a stream of its own (torch's capture stream) finds the one
+// made by an earlier eager call: creating them during a capture may not be allowed (the first
+// call is then to come before the capture, as the kernel loads already ask). Per rank, not
+// per device: emulated ranks share a device, and a rank's side work queued behind another
+// rank's spinning phase kernel would wait for it. A rank's calls are collective, so they
+// never run on two streams at once.
 struct SideStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
+  bool made = false;  // stream is the library's (destroyed when replaced)
 };
-const SideStream& side_stream_for(const Call& c) {
+std::mutex& side_streams_mutex() {
   static std::mutex mutex;
+  return mutex;
+}
+std::map<std::pair<int, const char*>, SideStream>& side_streams() {
   static std::map<std::pair<int, const char*>, SideStream> streams;
+  return streams;
+}
+std::pair<int, const char*> side_stream_key(const Group& g) {
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  SideStream& s = streams[{device, c.own()}];
+  return {device, g.peers.buffers[g.peers.rank]};
+}
+void make_events(SideStream& s) {
+  if (s.fork != nullptr) return;
+  MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
+  MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
+}
+const SideStream& side_stream_for(const Call& c) {
+  const auto key = side_stream_key(c.g);
+  const std::lock_guard<std::mutex> lock(side_streams_mutex());
+  SideStream& s = side_streams()[key];
   if (s.stream == nullptr) {
     MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
-    MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
+    s.made = true;
   }
+  make_events(s);
   return s;
 }
 
@@ -182,6 +199,34 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
     chain::forward_l2(rows, experts, w.forward, stream, to_peers ? &out : nullptr);
   }
   return c;
+}
+
+void set_side_stream(const Group& g, cudaStream_t side) {
+  check_group(g);
+  const auto key = side_stream_key(g);
+  const std::lock_guard<std::mutex> lock(side_streams_mutex());
+  auto& streams = side_streams();
+  const auto it = streams.find(key);
+  if (it != streams.end() && it->second.made) {
+    // Work still queued on it completes; its resources go when it has.
+    MEGAMOE_CUDA_CHECK(cudaStreamDestroy(it->second.stream));
+    it->second.stream = nullptr;
+    it->second.made = false;
+  }
+  if (side == nullptr) {
+    if (it != streams.end()) {
+      if (it->second.fork != nullptr) {
+        MEGAMOE_CUDA_CHECK(cudaEventDestroy(it->second.fork));
+        MEGAMOE_CUDA_CHECK(cudaEventDestroy(it->second.join));
+      }
+      streams.erase(it);
+    }
+    return;
+  }
+  SideStream& s = streams[key];
+  s.stream = side;
+  s.made = false;
+  make_events(s);
 }
 
 void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,

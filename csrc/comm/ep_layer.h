@@ -69,6 +69,16 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
              __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
              cudaStream_t stream);
 
+// The second stream of the overlapped forward (Group::overlap_dispatch) of g's rank on the
+// current device: by default the library makes one at the rank's first overlapped call and
+// keeps it for the process. set_side_stream(g, side) makes it `side` from the next call on
+// (a stream the library made for the rank is destroyed; the caller keeps `side` alive and
+// on the current device while it is set); set_side_stream(g, nullptr) forgets it (the next
+// call makes one again). Not while a call of the rank is being issued. For callers that must
+// know which streams share a device's hardware queues: the ranks emulated on one GPU
+// (tests/cpp/multi_gpu_test_util.h).
+void set_side_stream(const Group& g, cudaStream_t side);
+
 // Writes dx [T, H] bf16 and d_topk_weights [T, k] fp32 (0 for an id of -1), and this
 // rank's experts' d_w_gate_up [E_local, 2I, H] and d_w_down [E_local, H, I] (zeros, or
 // nothing added, for experts without rows). saved_h: null to recompute L1 on the owner

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <random>
 #include <string>
 #include <vector>
@@ -72,6 +73,21 @@ inline std::vector<uint16_t> sum_partials(const std::vector<std::vector<uint16_t
 
 class EpLayerTest : public RanksTest {
  protected:
+  // The library forgets the side streams prepare() gave it before RanksTest destroys them
+  // (a later group whose buffer lands at the same address makes its own).
+  void TearDown() override {
+    for (const megamoe::ep::Group& g : side_stream_groups_) {
+      cudaSetDevice(0);  // emulated
+      try {
+        megamoe::ep::set_side_stream(g, nullptr);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "set_side_stream(g, nullptr): " << e.what();
+      }
+    }
+    side_stream_groups_.clear();
+    RanksTest::TearDown();
+  }
+
   struct Rank {
     megamoe::ep::Group g;
     __nv_bfloat16 *x, *w1, *w2, *y, *dy, *dx, *dw1, *dw2, *saved_h;
@@ -157,6 +173,11 @@ class EpLayerTest : public RanksTest {
       const int dev = device_of(r);
       rk.g = group_;
       rk.g.peers = tables_[r];
+      if (!side_streams_.empty()) {  // emulated: the rank's side stream is the one made for it
+        ASSERT_EQ(cudaSetDevice(dev), cudaSuccess);
+        ASSERT_NO_THROW(megamoe::ep::set_side_stream(rk.g, side_streams_[r]));
+        side_stream_groups_.push_back(rk.g);
+      }
       const auto bf16 = [](void* p) { return static_cast<__nv_bfloat16*>(p); };
       rk.x = bf16(upload_part(r, x_, tokens * H));
       rk.ids = upload_part(r, ids_, tokens * k);
@@ -503,6 +524,7 @@ class EpLayerTest : public RanksTest {
   megamoe::ep::Group group_{};
   std::vector<megamoe::comm::PeerTable> tables_;
   std::vector<Rank> ranks_;
+  std::vector<megamoe::ep::Group> side_stream_groups_;  // given a side stream by prepare()
 };
 
 }  // namespace megamoe_test

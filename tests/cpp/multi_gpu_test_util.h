@@ -3,8 +3,10 @@
 //   use_gpus(): one rank per local GPU with peer access (skips with fewer than two GPUs
 //     or without peer access between every pair); MultiGpuTest is the fixture that does
 //     only this.
-//   emulate(world): `world` ranks on GPU 0 (skips without a GPU): each rank's buffers are
-//     allocations of their own, its calls go to a stream of its own, and everything it
+//   emulate(world, side_streams): `world` ranks on GPU 0 (skips without a GPU): each rank's
+//     buffers are allocations of their own, its calls go to a stream of its own (and with
+//     side_streams, the overlapped forward's second stream is one of its own too, made with
+//     the others: see kQueuePerEmulatedRank), and everything it
 //     launches is capped to sm_count() / world SMs (megamoe::SmLimit), so that every rank's
 //     kernels can be resident at once and a kernel spinning for a peer never takes the SMs
 //     the peer's kernels need (docs/expert-parallel.md, "Several ranks on one GPU").
@@ -32,6 +34,15 @@ namespace megamoe_test {
 // queue of its own, or a rank's launches can queue behind another rank's spinning kernel.
 // The driver reads the number of queues (8 by default) when it creates the context, i.e.
 // before the first test runs; a value the environment already sets is kept.
+// Enough queues is not enough: the driver gives a stream its queue when the stream is made
+// (streams alias onto queues in turn), so two streams made far apart can share one. That is
+// why emulate() makes every stream a rank uses, the overlapped forward's side streams too,
+// in one run of at most 2 * kMaxRanks = 16 <= 32: left to the library, a side stream is made
+// at a rank's first overlapped call and kept for the process under its buffer's address, and
+// a later test whose buffer lands at that address gets the old stream, on whatever queue it
+// had. Rank a's side stream on rank b's queue (a launched first) is a deadlock: the side
+// stream waits (fork event) for a's counts phase, which waits for b's counts kernel, queued
+// behind that wait ("rank b did not arrive in phase 'counts'").
 inline const bool kQueuePerEmulatedRank = [] {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   return true;
@@ -71,16 +82,18 @@ class RanksTest : public ::testing::Test {
     world_ = world;
   }
 
-  void emulate(int world) {
+  void emulate(int world, bool side_streams = false) {
     ASSERT_GE(world, 1);
     ASSERT_LE(world, megamoe::comm::kMaxRanks);
     int32_t devices = 0;
     ASSERT_EQ(megamoe_cuda_device_count(&devices), MEGAMOE_SUCCESS) << megamoe_last_error();
     if (devices == 0) GTEST_SKIP() << "no CUDA device visible (megamoe_cuda_device_count = 0)";
+    const int streams = side_streams ? 2 * world : world;
     if (const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-        queues != nullptr && std::atoi(queues) < world) {
+        queues != nullptr && std::atoi(queues) < streams) {
       GTEST_SKIP() << "CUDA_DEVICE_MAX_CONNECTIONS=" << queues << " gives fewer hardware "
-                   << "queues than the " << world << " emulated ranks need";
+                   << "queues than the " << streams << " streams of " << world
+                   << " emulated ranks need";
     }
     CUDA_OK(cudaSetDevice(0));
     // Before any rank's first launch: a lazy load behind one rank's spinning kernel would
@@ -90,11 +103,12 @@ class RanksTest : public ::testing::Test {
     CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     share_ = std::max(1, sms / world);
     emulated_ = true;
-    for (int r = 0; r < world; ++r) {
+    // One run of stream creations, nothing made between them (kQueuePerEmulatedRank).
+    for (int i = 0; i < streams; ++i) {
       cudaStream_t s;
       // Non-blocking: nothing a test puts on the legacy stream can order one rank behind another.
       CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      streams_.push_back(s);
+      (i < world ? streams_ : side_streams_).push_back(s);
     }
     world_ = world;
   }
@@ -103,6 +117,10 @@ class RanksTest : public ::testing::Test {
     for (size_t r = 0; r < streams_.size(); ++r) {
       cudaSetDevice(device_of(static_cast<int>(r)));
       cudaStreamDestroy(streams_[r]);
+    }
+    for (cudaStream_t s : side_streams_) {  // emulated: GPU 0
+      cudaSetDevice(0);
+      cudaStreamDestroy(s);
     }
     for (auto& [device, p] : allocations_) {
       cudaSetDevice(device);
@@ -157,6 +175,9 @@ class RanksTest : public ::testing::Test {
   bool emulated_ = false;
   int share_ = 0;  // SMs of each emulated rank
   std::vector<cudaStream_t> streams_;
+  // emulate(world, true): each rank's side stream of the overlapped forward, for the
+  // fixture to hand to the library (megamoe::ep::set_side_stream); empty otherwise.
+  std::vector<cudaStream_t> side_streams_;
   std::vector<std::pair<int, void*>> allocations_;
 };
 

@@ -32,7 +32,8 @@ class EpEmulated : public megamoe_test::EpLayerTest,
  protected:
   void SetUp() override {
     use_path(std::get<1>(GetParam()));
-    emulate(std::get<0>(GetParam()));
+    // The overlapped paths' side streams made with the ranks' own (kQueuePerEmulatedRank).
+    emulate(std::get<0>(GetParam()), overlap_dispatch_);
   }
 };
 
