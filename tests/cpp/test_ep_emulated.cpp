@@ -1,4 +1,4 @@
-// The expert-parallel protocols on one GPU: EP=2 and EP=8 with the ranks emulated on GPU 0
+// The expert-parallel protocols on one GPU: EP=2, 4 and 8 with the ranks emulated on GPU 0
 // (RanksTest::emulate: each rank's own buffers, stream and share of the SMs; skipped
 // without a GPU). The cases of test_ep_layer.cpp, forward and both backward modes, bitwise
 // against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back calls on the

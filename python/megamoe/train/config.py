@@ -180,7 +180,8 @@ class ParallelConfig:
                                         "'never' (faster, ~2 bytes per parameter more "
                                         "memory) or 'default' (only units sharded over more "
                                         "than one rank, never the last decoder layer; "
-                                        "every unit on one GPU with fused FP8 experts)",
+                                        "every unit on one GPU with fused FP8 experts); "
+                                        "no effect where FSDP2 is off (parallel.fsdp)",
                                         choices=RESHARD_POLICIES)
     fsdp: str = option("auto", "'auto': FSDP2 where there is more than one rank; on one rank "
                        "the model computes in bf16 copies of fp32 master weights that the "

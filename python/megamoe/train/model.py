@@ -2,7 +2,8 @@
 to megamoe or to transformers' own grouped_mm (under expert parallelism the integration's
 shard_experts keeps each rank's share), activation checkpointing, torch.compile, and FSDP2.
 
-FSDP2 units (TorchTitan's layout): every router (fp32 params, fp32 inputs, so its logits,
+FSDP2 units (TorchTitan's layout; on one rank FSDP2 is off unless parallel.fsdp = "always",
+megamoe.train.mixed_precision): every router (fp32 params, fp32 inputs, so its logits,
 softmax and top-k weights are fp32), under EP every experts module (sharded over the dp mesh
 dimension only, since the ep dimension already splits them), every decoder layer, the token
 embedding, and the root (`CausalLMTrainer`: final norm + LM head). Dense parameters are
