@@ -19,8 +19,15 @@ def _check_against_reference(p, tol):
     y_ref = reference.forward(*args)
     refs = dict(zip(NAMES, reference.backward(p["dy"], *args)))
     assert rel_err(y, y_ref) < tol
-    for name in NAMES:
+    for name in ("x", "w_gate_up", "w_down"):
         assert rel_err(grads[name], refs[name]) < tol, name
+    # d topk_weights is one dot product per slot, which can cancel (one slot of T = 1 did,
+    # to 1.3e-5 relative in fp32): its error is measured against the size of the terms it
+    # adds up, ||z * a|| (dp_term_norms), which fp32 rounding scales with.
+    valid = p["topk_ids"] >= 0
+    scale = dp_term_norms(p)[valid]
+    err = (grads["topk_weights"].double() - refs["topk_weights"].double())[valid].abs() / scale
+    assert err.max() < tol, ("topk_weights", err.max().item())
     return grads
 
 
