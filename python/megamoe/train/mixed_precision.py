@@ -200,8 +200,7 @@ class MasterAdamW(torch.optim.AdamW):
                     state["step"] = state["step"].cpu()  # once, after loading a CUDA step
                 state["step"] += 1
                 scale = self._scale if self._scale is not None else _ones(master.device)
-                from ._adamw_kernel import adamw_step
-
+                adamw_step = _kernel()
                 adamw_step(master, grad, state["exp_avg"], state["exp_avg_sq"],
                            self._copy.get(id(master)), scale.reshape(1), lr=float(group["lr"]),
                            beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -239,6 +238,13 @@ def _fits_kernel(master: torch.Tensor, grad: torch.Tensor, copy) -> bool:
     return (master.is_cuda and master.dtype == torch.float32 and grad.is_cuda
             and all(t.is_contiguous() and t.numel() == master.numel() for t in tensors)
             and grad.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+@functools.cache
+def _kernel():
+    # Imported on first use: Triton is needed only for CUDA tensors.
+    from ._adamw_kernel import adamw_step
+    return adamw_step
 
 
 @functools.cache
