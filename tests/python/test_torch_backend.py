@@ -24,10 +24,11 @@ def _check_against_reference(p, tol):
     # d topk_weights is one dot product per slot, which can cancel (one slot of T = 1 did,
     # to 1.3e-5 relative in fp32): its error is measured against the size of the terms it
     # adds up, ||z * a|| (dp_term_norms), which fp32 rounding scales with.
+    # A draw can leave no valid slot at all (T = 1, k = 1 with 15% of slots dropped).
     valid = p["topk_ids"] >= 0
     scale = dp_term_norms(p)[valid]
     err = (grads["topk_weights"].double() - refs["topk_weights"].double())[valid].abs() / scale
-    assert err.max() < tol, ("topk_weights", err.max().item())
+    assert err.numel() == 0 or err.max() < tol, ("topk_weights", err.max().item())
     return grads
 
 

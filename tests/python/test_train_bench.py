@@ -9,8 +9,9 @@ from megamoe.train import bench
 from megamoe.train.trainer import main as train_main
 
 
-def _row(backend, losses, step_ms, repeat=1, precision="bf16"):
-    return {"backend": backend, "precision": precision, "repeat": repeat, "status": "ok",
+def _row(backend, losses, step_ms, repeat=1, precision="bf16", seed=None):
+    extra = {} if seed is None else {"seed": seed}
+    return {"backend": backend, "precision": precision, "repeat": repeat, "status": "ok", **extra,
             "steps_run": len(losses), "step_ms": step_ms, "tokens_per_s_per_gpu": 1e3 / step_ms,
             "mfu": None, "peak_memory_gib": None, "optimizer_ms": 1.0, "loss": losses,
             "step_time_s": [step_ms / 1e3] * len(losses), "parts": None,
@@ -79,6 +80,55 @@ def test_merge_compares_with_mega_moe(tmp_path):
     assert "mega_moe-fp8: 1.500x the torch bf16 step, loss +1.00% of mega_moe bf16's" in table
     assert "torch" in table and "+0.50" in table and "NOT identical" in table
     assert bench.plot(record, tmp_path / "test.png").stat().st_size > 0
+
+
+def test_seeds_are_compared_seed_by_seed(tmp_path):
+    rows_dir = tmp_path / "rows"
+    rows_dir.mkdir()
+    curve = [3.0 - 0.001 * i for i in range(300)]
+    # mega_moe's seeds lie 2% apart; torch is 0.5% below mega_moe at seed 0, 1% above at 1.
+    rows = [_row("mega_moe", curve, 100.0, seed=0),
+            _row("mega_moe", [v * 1.02 for v in curve], 100.0, seed=1),
+            _row("torch", [v * 0.995 for v in curve], 125.0, seed=0),
+            _row("torch", [v * 1.02 * 1.01 for v in curve], 110.0, seed=1),
+            _row("mega_moe", [v * 1.03 for v in curve], 80.0, precision="fp8", seed=1)]
+    for row in rows:
+        (rows_dir / f"{bench._row_key(row)}.json").write_text(json.dumps(row))
+    assert sorted(p.stem for p in rows_dir.iterdir()) == [
+        "mega_moe-bf16-seed0", "mega_moe-bf16-seed1", "mega_moe-fp8-seed1",
+        "torch-bf16-seed0", "torch-bf16-seed1"]
+    record = bench.merge(rows_dir, "seeds", (200, 300), "megamoe-train-bench --merge")
+    cmp = record["comparison"]
+    # Each run against mega_moe's run of its own seed.
+    assert cmp["torch-bf16-seed0"]["mega_moe_speedup"] == pytest.approx(1.25)
+    assert cmp["torch-bf16-seed1"]["mega_moe_speedup"] == pytest.approx(1.10)
+    assert cmp["torch-bf16-seed0"]["loss_rel_diff_vs_mega_moe"] == pytest.approx(-0.005)
+    assert cmp["torch-bf16-seed1"]["loss_rel_diff_vs_mega_moe"] == pytest.approx(0.01)
+    assert "mega_moe-bf16-seed1" not in cmp  # another seed is not a repeat
+    assert cmp["mega_moe-fp8-seed1"]["speedup_vs_torch_bf16"] == pytest.approx(110 / 80)
+    assert cmp["mega_moe-fp8-seed1"]["loss_rel_diff_vs_mega_moe_bf16"] == pytest.approx(1.03 / 1.02 - 1)
+    parity = record["parity_over_runs"]
+    torch_parity = parity["torch-bf16"]
+    assert torch_parity["rel_diff_by_seed"] == {"0": pytest.approx(-0.005), "1": pytest.approx(0.01)}
+    assert torch_parity["rel_diff_by_seed_mean"] == pytest.approx(0.0025)
+    assert parity["mega_moe-bf16"]["seed_spread"] == pytest.approx(0.02 / 1.01)
+    table = bench.format_table(record)
+    assert "torch-bf16 against mega_moe seed by seed: seed 0 -0.50%, seed 1 +1.00% (mean +0.25%)" in table
+    assert "mega_moe-bf16: its seeds' mean losses span 1.98%" in table
+    assert bench.plot(record, tmp_path / "seeds.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--seeds", "0,x"], "--seeds: expected distinct integers"),
+    (["--seeds", "1,1"], "--seeds: expected distinct integers"),
+    (["--seeds", "0,1", "--train.seed", "3"], "--seeds and --train.seed"),
+])
+def test_bad_seeds_are_refused(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["default-cpu", "--out-dir", str(tmp_path), *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_bench_checks_every_config_before_running(tmp_path, capsys):

@@ -12,7 +12,10 @@ LM head + loss timed in isolation in the same process at the same shapes; the op
 timed inside the steps). The record compares every backend with mega_moe: step-time ratio,
 loss parity (mean loss over a window of steps, default 200-300, when the runs reach it) and,
 with `--repeat 2`, whether two mega_moe runs gave bitwise-identical losses and, per backend,
-the mean loss over its runs and their range.
+the mean loss over its runs and their range. With `--seeds 0,1,2` each backend and precision
+runs once per train.seed (initialisation and data order), and the parity is also taken seed by
+seed, each run against mega_moe's run of the same seed: how far the curves of two backends
+lie apart, next to how far one backend's seeds do.
 
 Config overrides (--section.key VALUE) are passed to every run.
 """
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat-start", type=int, default=1,
                         help="number of the first of those runs (2: add a second run to a saved "
                              "first one, e.g. a 50-step run for the determinism check)")
+    parser.add_argument("--seeds",
+                        help="comma-separated train.seed values: every backend and precision "
+                             "runs once per seed (rows BACKEND-PRECISION-seedS), compared with "
+                             "mega_moe's run of the same seed")
     parser.add_argument("--parity-window", default="200,300",
                         help="first,last step (inclusive) of the mean loss compared between "
                              "backends (default: 200,300)")
@@ -85,6 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--parity-window: expected FIRST,LAST steps, got {args.parity_window!r}")
     if args.repeat < 1 or args.repeat_start < 1:
         parser.error("--repeat and --repeat-start must be >= 1")
+    seeds = [None]
+    if args.seeds is not None:
+        try:
+            seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
+            assert seeds and all(v >= 0 for v in seeds) and len(set(seeds)) == len(seeds)
+        except (ValueError, AssertionError):
+            parser.error(f"--seeds: expected distinct integers >= 0 separated by commas, got "
+                         f"{args.seeds!r}")
+        if any(key == "train.seed" for key, _ in overrides):
+            parser.error("--seeds and --train.seed: give the seeds in one of them")
     name = args.name or Path(args.config).stem
     out_dir = Path(args.out_dir)
     rows_dir = out_dir / f"{name}.rows"
@@ -106,15 +123,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         work = Path(args.work_dir) if args.work_dir else Path("outputs/train-bench") / name
         failures = 0
-        runs = [(b, p, k) for b in backends for p in precisions
+        runs = [(b, p, seed, k) for b in backends for p in precisions for seed in seeds
                 for k in range(args.repeat_start, args.repeat_start + args.repeat)]
-        for index, (backend, precision, repeat) in enumerate(runs, 1):
+        for index, (backend, precision, seed, repeat) in enumerate(runs, 1):
             _progress(f"run {index}/{len(runs)}: {backend}, {precision}"
+                      + (f", seed {seed}" if seed is not None else "")
                       + (f", run {repeat}" if repeat > 1 else ""))
-            row = run_one(args, overrides, backend, precision, repeat, work, command)
+            row = run_one(args, overrides, backend, precision, repeat, work, command, seed)
             rows_dir.mkdir(parents=True, exist_ok=True)
-            (rows_dir / f"{_row_id(backend, precision, repeat)}.json").write_text(
-                json.dumps(row, indent=1) + "\n")
+            (rows_dir / f"{_row_key(row)}.json").write_text(json.dumps(row, indent=1) + "\n")
             failures += row["status"] != "ok"
             _progress(f"{backend}, {precision}: {row['status']}"
                       + (f", {row['step_ms']:.1f} ms/step" if row.get("step_ms") else ""))
@@ -140,8 +157,14 @@ def _progress(message: str) -> None:
     print(f"[megamoe-train-bench] {message}", file=sys.stderr, flush=True)
 
 
-def _row_id(backend: str, precision: str, repeat: int) -> str:
-    return f"{backend}-{precision}" + (f"-run{repeat}" if repeat > 1 else "")
+def _row_id(backend: str, precision: str, repeat: int, seed: int | None = None) -> str:
+    return (f"{backend}-{precision}" + (f"-seed{seed}" if seed is not None else "")
+            + (f"-run{repeat}" if repeat > 1 else ""))
+
+
+def _row_key(row: dict) -> str:
+    # "seed" is in a row only when the bench chose it (--seeds); older rows have none.
+    return _row_id(row["backend"], row["precision"], row["repeat"], row.get("seed"))
 
 
 def _run_overrides(backend, precision, steps) -> list[tuple[str, str]]:
@@ -153,13 +176,15 @@ def _run_overrides(backend, precision, steps) -> list[tuple[str, str]]:
 
 
 def run_one(args, overrides, backend: str, precision: str, repeat: int, work: Path,
-            bench_command: str) -> dict:
-    """One training run in a fresh process; returns its row."""
-    log_dir = work / _row_id(backend, precision, repeat)
+            bench_command: str, seed: int | None = None) -> dict:
+    """One training run in a fresh process (with train.seed = seed unless None); returns
+    its row."""
+    log_dir = work / _row_id(backend, precision, repeat, seed)
     summary_path = log_dir / "summary.json"
     if summary_path.exists():
         summary_path.unlink()
-    settings = overrides + _run_overrides(backend, precision, args.steps) + [
+    seeded = [("train.seed", str(seed))] if seed is not None else []
+    settings = overrides + seeded + _run_overrides(backend, precision, args.steps) + [
         ("log.dir", json.dumps(str(log_dir))), ("checkpoint.interval", "0"),
         ("checkpoint.resume", '"none"')]
     cmd = [sys.executable, "-m", "megamoe.train", args.config]
@@ -169,13 +194,14 @@ def run_one(args, overrides, backend: str, precision: str, repeat: int, work: Pa
     if not args.no_parts:
         cmd.append("--time-parts")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    prefix = f"[{_row_id(backend, precision, repeat)}] "
+    prefix = f"[{_row_id(backend, precision, repeat, seed)}] "
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env, bufsize=1) as process:
         for line in process.stdout:
             print(prefix + line, end="", flush=True)
         code = process.wait()
     row = {"backend": backend, "precision": precision, "repeat": repeat,
+           **({"seed": seed} if seed is not None else {}),
            "command": shlex.join(cmd), "bench_command": bench_command}
     if code != 0 or not summary_path.exists():
         return {**row, "status": f"failed (exit {code})"}
@@ -215,7 +241,8 @@ def merge(rows_dir: Path, name: str, window: tuple[int, int], command: str) -> d
     if not rows:
         return None
     order = {b: i for i, b in enumerate(BACKENDS)}
-    rows.sort(key=lambda r: (order.get(r["backend"], 99), r["precision"], r["repeat"]))
+    rows.sort(key=lambda r: (order.get(r["backend"], 99), r["precision"],
+                             -1 if r.get("seed") is None else r["seed"], r["repeat"]))
     done = [r for r in rows if r["status"] == "ok"]
     first = done[0]["summary"] if done else {}
     record = {
@@ -250,15 +277,16 @@ def _public(row: dict) -> dict:
 
 
 def compare(rows: list[dict], window: tuple[int, int]) -> dict:
-    """Against the first mega_moe row of the same precision: speed-up (its step time over
-    theirs, inverted: how many times faster mega_moe is), loss parity over the window, and
-    bitwise determinism between repeated mega_moe runs."""
+    """Against the first mega_moe row of the same precision and seed: speed-up (its step
+    time over theirs, inverted: how many times faster mega_moe is), loss parity over the
+    window, and bitwise determinism between repeated mega_moe runs."""
     result = {}
     for row in rows:
-        base = next((r for r in rows if r["backend"] == REFERENCE and r["precision"] == row["precision"]), None)
+        base = next((r for r in rows if r["backend"] == REFERENCE and r["precision"] == row["precision"]
+                     and r.get("seed") == row.get("seed")), None)
         if base is None or row is base:
             continue
-        key = _row_id(row["backend"], row["precision"], row["repeat"])
+        key = _row_key(row)
         entry = {}
         if row["step_ms"] and base["step_ms"]:
             entry["mega_moe_speedup"] = row["step_ms"] / base["step_ms"]
@@ -276,11 +304,12 @@ def compare(rows: list[dict], window: tuple[int, int]) -> dict:
         result[key] = entry
     # A low-precision mega_moe row against the bf16 rows: loss against mega_moe's bf16 curve,
     # speed against the torch backend in bf16 (the FP8 issue's training bars).
-    bf16 = {r["backend"]: r for r in rows if r["precision"] == "bf16" and r["repeat"] == 1}
     for row in rows:
         if row["backend"] != REFERENCE or row["precision"] == "bf16" or row["repeat"] != 1:
             continue
-        entry = result.setdefault(_row_id(row["backend"], row["precision"], row["repeat"]), {})
+        bf16 = {r["backend"]: r for r in rows if r["precision"] == "bf16" and r["repeat"] == 1
+                and r.get("seed") == row.get("seed")}
+        entry = result.setdefault(_row_key(row), {})
         if "torch" in bf16 and row["step_ms"] and bf16["torch"]["step_ms"]:
             entry["speedup_vs_torch_bf16"] = bf16["torch"]["step_ms"] / row["step_ms"]
         if REFERENCE in bf16:
@@ -308,6 +337,36 @@ def parity_over_runs(rows: list[dict], window: tuple[int, int]) -> dict:
             base_mean = sum(base) / len(base)
             entry["rel_diff_vs_mega_moe"] = (entry["mean"] - base_mean) / base_mean
         result[f"{backend}-{precision}"] = entry
+    for (backend, precision), entry in _paired_by_seed(rows, window).items():
+        result[f"{backend}-{precision}"].update(entry)
+    return result
+
+
+def _paired_by_seed(rows: list[dict], window: tuple[int, int]) -> dict:
+    """Per backend and precision run with --seeds: the window's relative loss difference
+    against mega_moe's run of the same seed and precision (first runs), seed by seed, with
+    their mean and range; for mega_moe itself, the spread of its seeds' means around theirs."""
+    firsts = {(r["backend"], r["precision"], r["seed"]): _window_mean(r, window)
+              for r in rows if r.get("seed") is not None and r["repeat"] == 1}
+    firsts = {key: mean for key, mean in firsts.items() if mean is not None}
+    result = {}
+    for (backend, precision, seed), mean in sorted(firsts.items(), key=lambda kv: kv[0][2]):
+        if backend == REFERENCE:
+            continue
+        base = firsts.get((REFERENCE, precision, seed))
+        if base is not None:
+            entry = result.setdefault((backend, precision), {"rel_diff_by_seed": {}})
+            entry["rel_diff_by_seed"][str(seed)] = (mean - base) / base
+    for entry in result.values():
+        diffs = list(entry["rel_diff_by_seed"].values())
+        entry.update(rel_diff_by_seed_mean=sum(diffs) / len(diffs),
+                     rel_diff_by_seed_min=min(diffs), rel_diff_by_seed_max=max(diffs))
+    for precision in {p for (_, p, _) in firsts}:
+        means = [m for (b, p, _), m in firsts.items() if b == REFERENCE and p == precision]
+        if len(means) > 1:
+            center = sum(means) / len(means)
+            result[(REFERENCE, precision)] = {
+                "seed_spread": (max(means) - min(means)) / center}
     return result
 
 
@@ -327,7 +386,8 @@ def _identical_prefix(a: list[float], b: list[float]) -> int:
     return count
 
 
-COLUMNS = (("backend", "backend", str), ("prec", "precision", str), ("run", "repeat", str),
+COLUMNS = (("backend", "backend", str), ("prec", "precision", str), ("seed", "seed", str),
+           ("run", "repeat", str),
            ("steps", "steps_run", str), ("step ms", "step_ms", "{:.1f}"),
            ("tok/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("MFU %", "mfu_pct", "{:.1f}"),
            ("peak GiB", "peak_memory_gib", "{:.1f}"), ("mega_moe x", "speedup", "{:.3f}"),
@@ -343,7 +403,7 @@ def format_table(record: dict) -> str:
     lines = []
     cells = []
     for row in record["rows"]:
-        key = _row_id(row["backend"], row["precision"], row["repeat"])
+        key = _row_key(row)
         comparison = record["comparison"].get(key, {})
         flat = dict(row, mfu_pct=100 * row["mfu"] if row.get("mfu") else None,
                     speedup=comparison.get("mega_moe_speedup"),
@@ -356,7 +416,7 @@ def format_table(record: dict) -> str:
     header = [title for title, _, _ in COLUMNS]
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
     for r in [header, *cells]:
-        lines.append("  ".join(c.rjust(w) if i > 2 else c.ljust(w)
+        lines.append("  ".join(c.rjust(w) if i > 3 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths))))
     lines.insert(1, "-" * len(lines[0]))
     notes = [f"{record.get('gpu')}, commit {str(record.get('commit'))[:12]}; step ms = median of "
@@ -383,6 +443,13 @@ def format_table(record: dict) -> str:
                       if "rel_diff_vs_mega_moe" in entry else "")
             notes.append(f"{key}: mean loss {entry['mean']:.4f} over {entry['runs']} run(s) "
                          f"(range {entry['min']:.4f}-{entry['max']:.4f}){versus}")
+    for key, entry in parity.items():
+        if "rel_diff_by_seed" in entry:
+            by_seed = ", ".join(f"seed {s} {100 * d:+.2f}%" for s, d in entry["rel_diff_by_seed"].items())
+            notes.append(f"{key} against mega_moe seed by seed: {by_seed} (mean "
+                         f"{100 * entry['rel_diff_by_seed_mean']:+.2f}%)")
+        if "seed_spread" in entry:
+            notes.append(f"{key}: its seeds' mean losses span {100 * entry['seed_spread']:.2f}%")
     return "\n".join(lines + notes)
 
 
@@ -404,14 +471,14 @@ def plot(record: dict, path: Path) -> Path | None:
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     loss_ax, time_ax = fig.subplots(1, 2)
     for row in rows:
-        label = _row_id(row["backend"], row["precision"], row["repeat"])
+        label = _row_key(row)
         loss_ax.plot(range(1, len(row["loss"]) + 1), row["loss"], label=label, linewidth=1)
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("LM loss")
     loss_ax.grid(alpha=0.3)
     loss_ax.legend(fontsize=8)
     parts = ("attention_ms", "experts_ms", "router_ms", "lm_head_loss_ms", "optimizer_ms", "other_ms")
-    labels = [_row_id(r["backend"], r["precision"], r["repeat"]) for r in rows]
+    labels = [_row_key(r) for r in rows]
     bottoms = [0.0] * len(rows)
     if all(r.get("breakdown") for r in rows):
         for part in parts:
