@@ -52,6 +52,10 @@ def load(extra: str = "", overrides=(), base: str = BASE):
      r"train\.loss_implementation: expected one of \['auto', 'compiled', 'eager'\]"),
     ("[checkpoint]\nresume = '/no/such/checkpoint'\n", r"checkpoint\.resume: .*no such directory"),
     ("[parallel]\ndp = 0\n", r"parallel\.dp: must be >= 1, or -1"),
+    ("[train]\ncompile = true\ncompile_dense = true\n",
+     r"train\.compile_dense: train\.compile already compiles each whole decoder layer"),
+    ("[train]\ncompile_dense = true\ncheckpoint_save_attention = true\n",
+     r"train\.compile_dense: not built with train\.checkpoint_save_attention = true"),
     ("[train]\nsteps = 10\n[log]\nprofile_step = 11\n",
      r"log\.profile_step: step 11 is past the run's last step \(train\.steps = 10\)"),
 ])

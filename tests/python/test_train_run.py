@@ -206,3 +206,44 @@ def test_checkpointing_keeps_the_attention_kernel_outputs():
     assert results[True][1] == results[False][1]
     assert results[True][2].keys() == results[False][2].keys()
     assert all(torch.equal(results[True][2][n], g) for n, g in results[False][2].items())
+
+
+def test_compile_dense_compiles_all_but_the_moe_blocks():
+    # torch.compile (C++ code on the CPU) of each layer's attention block and norms and of
+    # the final norm; the MoE blocks stay eager. The same loss and gradients as eager up to
+    # the compiled code's rounding (float32), and the compiled code is what ran.
+    from torch._dynamo.utils import counters
+
+    config = config_mod.load("default-cpu", [("data.seq_len", "32"), ("model.num_layers", "2"),
+                                             ("train.checkpoint_save_attention", "false")])
+    ids = torch.randint(0, 257, (1, 32), generator=torch.Generator().manual_seed(BASE_SEED))
+    info = distributed.init("cpu")
+    results = {}
+    try:
+        for compiled in (False, True):
+            hf_config = model_mod.load_hf_config(config)
+            torch.manual_seed(BASE_SEED)
+            model = model_mod.build_model(config, hf_config, info.device)
+            model_mod.apply_dispatch(model, config, info.device)
+            model_mod.apply_activation_checkpointing(model, False)
+            names = model_mod.apply_compile_dense(model) if compiled else []
+            trainer = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
+            counters.clear()
+            ce, aux = trainer(ids, torch.roll(ids, -1, 1))
+            (ce + aux).backward()
+            graphs = counters["stats"]["unique_graphs"]
+            results[compiled] = (ce.item(), {n: p.grad for n, p in model.named_parameters()},
+                                 names, graphs)
+    finally:
+        distributed.shutdown(info)
+    names = results[True][2]
+    assert names == ["layers.0.self_attn", "layers.0.input_layernorm",
+                     "layers.0.post_attention_layernorm", "layers.1.self_attn",
+                     "layers.1.input_layernorm", "layers.1.post_attention_layernorm", "model.norm"]
+    # The layers share the attention's and the norm's graphs (no recompilation per layer).
+    assert results[False][3] == 0 and 0 < results[True][3] <= 3
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
+    eager, compiled = results[False][1], results[True][1]
+    assert eager.keys() == compiled.keys()
+    for name, grad in eager.items():
+        assert torch.allclose(compiled[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max()), name

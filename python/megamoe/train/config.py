@@ -149,6 +149,9 @@ class TrainConfig:
                                              "so the backward does not rerun it; false "
                                              "recomputes the whole layer")
     compile: bool = option(False, "torch.compile each decoder layer")
+    compile_dense: bool = option(False, "torch.compile each decoder layer's dense part (its "
+                                 "attention block and norms, and the final norm), leaving "
+                                 "the MoE blocks (router and experts) in eager mode")
     seed: int = option(0, "seed of the initialisation, the data order and the RNG", minimum=0)
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True) and "
                                  "CUBLAS_WORKSPACE_CONFIG=:4096:8")
@@ -436,6 +439,18 @@ def check_static(config: Config) -> None:
                           f"last step (train.steps = {config.train.steps})")
     if config.parallel.dp == 0:
         raise ConfigError("parallel.dp: must be >= 1, or -1 to derive it from the world size")
+    if config.train.compile_dense and config.train.compile:
+        raise ConfigError("train.compile_dense: train.compile already compiles each whole "
+                          "decoder layer, its dense part included; set one of them")
+    if (config.train.compile_dense and config.train.activation_checkpointing
+            and config.train.checkpoint_save_attention):
+        # The selective checkpointing policy picks the attention kernel out of the ops it
+        # sees; inside the compiled attention it is not shown that kernel, so the saving
+        # would be lost without a word.
+        raise ConfigError("train.compile_dense: not built with "
+                          "train.checkpoint_save_attention = true (its policy cannot keep "
+                          "the outputs of the attention kernel inside compiled code); set "
+                          "train.checkpoint_save_attention = false")
     _check_data(config.data)
     resume = config.checkpoint.resume
     if resume not in ("none", "latest") and not Path(resume).is_dir():

@@ -261,6 +261,38 @@ def apply_compile(model) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+def apply_compile_dense(model) -> list[str]:
+    """torch.compile of every module of each decoder layer that holds no experts (the
+    attention block with its q/k norms and RoPE, the layer norms, a dense MLP) and of the
+    norms outside the layers; the MoE blocks, whose implementations the benchmark compares,
+    stay eager. Returns the compiled modules' names."""
+    compiled = []
+    layers = decoder_layers(model)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+
+    def compile_module(name, module):
+        # Inductor's deterministic mode, as in the compiled loss: reduction block sizes from
+        # heuristics, not from timing candidates on the device, so that two runs of a
+        # config sum in the same order.
+        module.forward = torch.compile(module.forward, dynamic=False,
+                                       options={"deterministic": True})
+        compiled.append(name)
+
+    for i, layer in enumerate(layers):
+        for name, child in layer.named_children():
+            if not any(_holds_experts(m) for m in child.modules()):
+                compile_module(f"layers.{i}.{name}", child)
+    for name, module in model.named_modules():
+        if id(module) not in inside and type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+            compile_module(name, module)
+    return compiled
+
+
+def _holds_experts(module) -> bool:
+    experts = getattr(module, "experts", None)
+    return isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+
+
 def uses_fsdp(config: Config, world_size: int) -> bool:
     """parallel.fsdp: 'auto' shards with FSDP2 only where there is more than one rank
     (megamoe.train.mixed_precision is the one-rank path)."""

@@ -90,6 +90,8 @@ def time_parts(config: Config, hf_config, device: torch.device, say=print, *,
         say("parts: expert parallelism is not reproduced in isolation; the experts are timed "
             "as on one device")
     dispatch = model_mod.apply_dispatch(model, config, device)
+    if config.train.compile_dense:
+        model_mod.apply_compile_dense(model)  # the attention part is then the compiled one
     layer = model_mod.decoder_layers(model)[0]
     block = model_mod.moe_blocks(model)[0]
     for name, param in model.named_parameters():

@@ -297,6 +297,9 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
         model_mod.apply_activation_checkpointing(model, config.train.checkpoint_save_attention)
     if config.train.compile:
         model_mod.apply_compile(model)
+    if config.train.compile_dense:
+        compiled = model_mod.apply_compile_dense(model)
+        say(f"torch.compile: {len(compiled)} dense modules (the MoE blocks stay eager)")
     aux_coef = model_mod.aux_loss_coefficient(config, hf_config)
     trainer = model_mod.CausalLMTrainer(model, config.train.loss_chunk_size, aux_coef,
                                         config.train.loss_implementation)
