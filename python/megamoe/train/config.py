@@ -444,13 +444,14 @@ def check_static(config: Config) -> None:
                           "decoder layer, its dense part included; set one of them")
     if (config.train.compile_dense and config.train.activation_checkpointing
             and config.train.checkpoint_save_attention):
-        # The selective checkpointing policy picks the attention kernel out of the ops it
-        # sees; inside the compiled attention it is not shown that kernel, so the saving
-        # would be lost without a word.
+        # The selective checkpointing policy picks the attention kernel out of the ops the
+        # dispatcher shows it; whether it is shown the kernel that runs inside compiled
+        # code (and so keeps its outputs) is not checked, and the saving must not be lost
+        # without a word.
         raise ConfigError("train.compile_dense: not built with "
-                          "train.checkpoint_save_attention = true (its policy cannot keep "
-                          "the outputs of the attention kernel inside compiled code); set "
-                          "train.checkpoint_save_attention = false")
+                          "train.checkpoint_save_attention = true (that the checkpointing "
+                          "keeps the outputs of an attention kernel inside compiled code is "
+                          "not checked); set train.checkpoint_save_attention = false")
     _check_data(config.data)
     resume = config.checkpoint.resume
     if resume not in ("none", "latest") and not Path(resume).is_dir():
