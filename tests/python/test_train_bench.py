@@ -138,3 +138,14 @@ def test_bench_checks_every_config_before_running(tmp_path, capsys):
     assert "train.stepz: unknown key" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
     assert bench.main(["--merge", "--name", "nothing", "--out-dir", str(tmp_path)]) == 1
+
+
+def test_steps_keep_the_full_runs_schedule_only_when_shorter():
+    from megamoe.train import config as config_mod
+
+    base = config_mod.load("default-cpu", [("train.steps", "40")])
+    assert bench.schedule_overrides(base, 20) == [("optim.decay_steps", "40")]
+    assert bench.schedule_overrides(base, 300) == []  # decays over its own 300 steps
+    assert bench.schedule_overrides(base, None) == []
+    fixed = config_mod.load("default-cpu", [("optim.decay_steps", "50")])
+    assert bench.schedule_overrides(fixed, 20) == []  # the config's own decay stands

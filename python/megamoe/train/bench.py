@@ -111,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every run's config is checked before the first one starts.
         try:
             base = config_mod.load(args.config, overrides)
-            if args.steps and base.optim.decay_steps is None:
-                # A shortened run follows the full run's LR schedule, so its losses are the
-                # full run's first steps (the determinism check compares them).
-                overrides = overrides + [("optim.decay_steps", str(base.train.steps))]
+            overrides = overrides + schedule_overrides(base, args.steps)
             for backend in backends:
                 for precision in precisions:
                     config_mod.load(args.config, overrides + _run_overrides(backend, precision, args.steps))
@@ -151,6 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         if png:
             _progress(f"wrote {png}")
     return 1 if failures else 0
+
+
+def schedule_overrides(base, steps: int | None) -> list[tuple[str, str]]:
+    """A run shortened by --steps follows the full run's LR schedule, so its losses are the
+    full run's first steps (the determinism check compares them); a lengthened one gets
+    its own schedule, not a decay that ends at the config's last step."""
+    if steps and steps < base.train.steps and base.optim.decay_steps is None:
+        return [("optim.decay_steps", str(base.train.steps))]
+    return []
 
 
 def _progress(message: str) -> None:
