@@ -13,6 +13,8 @@ Expert parallel (one process per GPU; each rank writes PATH.rankR):
 Cases: both presets' shapes at 16384 (30b) and 4096 (235b) tokens, and small awkward ones
 (k = 1, I = 384, -1 ids, an expert without tokens, one token); modes: recompute and saved,
 bf16 weight gradients and fp32 accumulators, bf16 router weights (forward only, one GPU).
+`--precisions bf16,fp8,fp8_bwd` adds the FP8 layer's outputs (one GPU; every case, all of
+whose sizes are multiples of 128), for a change to the FP8 kernels that must keep their bits.
 """
 
 from __future__ import annotations
@@ -59,18 +61,23 @@ def outputs(problem, prefix, **kwargs):
     return out
 
 
-def dump_one_gpu(seed):
+def dump_one_gpu(seed, precisions=("bf16",)):
     out = {}
     for i, (name, T, H, I, E, k, extra) in enumerate(CASES):
         p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=seed + i,
                          **extra)
-        out.update(outputs(p, name, backend="fused"))
-        bf16_weights = dict(p, topk_weights=p["topk_weights"].to(torch.bfloat16))
-        with torch.no_grad():
-            out[f"{name}/bf16-weights/y"] = megamoe.moe(
-                *(bf16_weights[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up",
-                                             "w_down")), backend="fused")
-        print(f"{name}: done", flush=True)
+        for precision in precisions:
+            if precision != "bf16" and (H % 128 or I % 128):
+                continue  # the FP8 recipe's 128-blocks
+            # bf16 keeps its keys unprefixed, so dumps of older builds still compare.
+            prefix = name if precision == "bf16" else f"{precision}/{name}"
+            out.update(outputs(p, prefix, backend="fused", precision=precision))
+            bf16_weights = dict(p, topk_weights=p["topk_weights"].to(torch.bfloat16))
+            with torch.no_grad():
+                out[f"{prefix}/bf16-weights/y"] = megamoe.moe(
+                    *(bf16_weights[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up",
+                                                 "w_down")), backend="fused", precision=precision)
+            print(f"{prefix}: done", flush=True)
     return out
 
 
@@ -122,6 +129,8 @@ def main():
     d.add_argument("path")
     d.add_argument("--ep", action="store_true", help="expert parallel, under torchrun")
     d.add_argument("--seed", type=int, default=20261201)
+    d.add_argument("--precisions", default="bf16",
+                   help="comma-separated: bf16, fp8, fp8_bwd (one GPU; default bf16)")
     c = sub.add_parser("compare", help="compare two dumps bit for bit")
     c.add_argument("a")
     c.add_argument("b")
@@ -129,11 +138,17 @@ def main():
     if args.command == "compare":
         sys.exit(compare(args.a, args.b))
     moe_testing.BASE_SEED = args.seed
+    precisions = tuple(v for v in args.precisions.split(",") if v)
+    unknown = [v for v in precisions if v not in ("bf16", "fp8", "fp8_bwd")]
+    if unknown or not precisions:
+        parser.error(f"--precisions: expected bf16, fp8 or fp8_bwd, got {args.precisions!r}")
     if args.ep:
+        if precisions != ("bf16",):
+            parser.error("--precisions: the expert-parallel layer runs bf16 only")
         out, rank = dump_ep(0)
         path = f"{args.path}.rank{rank}"
     else:
-        out, path = dump_one_gpu(0), args.path
+        out, path = dump_one_gpu(0, precisions), args.path
     torch.save({n: t.detach().cpu() for n, t in out.items()}, path)
     print(f"wrote {len(out)} outputs to {path}", flush=True)
 

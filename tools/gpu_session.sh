@@ -11,7 +11,9 @@
 #   ab             a refactor's A/B against the library in build-base/ (BASE_LIB): outputs
 #                  compared bit for bit (tools/ab_outputs.py), then megamoe-bench of the fused
 #                  backend at both presets, 16384 tokens, both backward modes, base and new
-#                  in alternation, twice (AB_ARGS: extra megamoe-bench arguments)
+#                  in alternation, twice (AB_ARGS: extra megamoe-bench arguments;
+#                  AB_DUMP_ARGS: extra tools/ab_outputs.py dump arguments, e.g.
+#                  "--precisions bf16,fp8,fp8_bwd" for the FP8 kernels)
 #   fp8            the FP8 GEMM and layer tests, and the FP8 benchmark (both presets, 16384
 #                  tokens, bf16 / fp8 / fp8_bwd rows of torch and fused; FP8_BENCH_ARGS)
 #   bench          the committed layer benchmarks (torch and fused, 16384 and 512 tokens;
@@ -84,8 +86,9 @@ for stage in "$@"; do
       run check.log bash tools/gpu_check.sh "$work/check" ;;
     ab)
       mkdir -p "$work/ab"
-      run ab-dump-base.log env MEGAMOE_LIBRARY="$base_lib" python3 tools/ab_outputs.py dump "$work/ab/base.pt"
-      run ab-dump-new.log python3 tools/ab_outputs.py dump "$work/ab/new.pt"
+      run ab-dump-base.log env MEGAMOE_LIBRARY="$base_lib" python3 tools/ab_outputs.py dump \
+        "$work/ab/base.pt" ${AB_DUMP_ARGS:-}
+      run ab-dump-new.log python3 tools/ab_outputs.py dump "$work/ab/new.pt" ${AB_DUMP_ARGS:-}
       run ab-compare.log python3 tools/ab_outputs.py compare "$work/ab/base.pt" "$work/ab/new.pt"
       rm -f "$work"/ab/*.pt
       # Repeats of one problem with NaN-filled free memory between them, both libraries.
