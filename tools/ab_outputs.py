@@ -66,13 +66,13 @@ def dump_one_gpu(seed, precisions=("bf16",)):
     for i, (name, T, H, I, E, k, extra) in enumerate(CASES):
         p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=seed + i,
                          **extra)
+        bf16_weights = dict(p, topk_weights=p["topk_weights"].to(torch.bfloat16))
         for precision in precisions:
             if precision != "bf16" and (H % 128 or I % 128):
                 continue  # the FP8 recipe's 128-blocks
             # bf16 keeps its keys unprefixed, so dumps of older builds still compare.
             prefix = name if precision == "bf16" else f"{precision}/{name}"
             out.update(outputs(p, prefix, backend="fused", precision=precision))
-            bf16_weights = dict(p, topk_weights=p["topk_weights"].to(torch.bfloat16))
             with torch.no_grad():
                 out[f"{prefix}/bf16-weights/y"] = megamoe.moe(
                     *(bf16_weights[n] for n in ("x", "topk_ids", "topk_weights", "w_gate_up",
