@@ -149,3 +149,28 @@ def test_steps_keep_the_full_runs_schedule_only_when_shorter():
     assert bench.schedule_overrides(base, None) == []
     fixed = config_mod.load("default-cpu", [("optim.decay_steps", "50")])
     assert bench.schedule_overrides(fixed, 20) == []  # the config's own decay stands
+
+
+def test_a_committed_record_gives_back_rows_that_merge_into_it(tmp_path):
+    # tools/record_rows.py: a record's rows written out again and merged with a new row keep
+    # every field of the record; what the new row adds joins its comparisons.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    rows_dir = tmp_path / "a.rows"
+    for row in (_row("mega_moe", [3.0, 2.0], 100.0, seed=0), _row("torch", [3.0, 2.2], 120.0, seed=0)):
+        rows_dir.mkdir(exist_ok=True)
+        (rows_dir / f"{bench._row_key(row)}.json").write_text(json.dumps(row))
+    record = bench.merge(rows_dir, "a", (1, 2), "first")
+    (tmp_path / "a.json").write_text(json.dumps(record))
+    out = tmp_path / "again" / "a.rows"
+    subprocess.run([sys.executable, str(root / "tools" / "record_rows.py"), str(tmp_path / "a.json"),
+                    str(out)], check=True, capture_output=True)
+    assert bench.merge(out, "a", (1, 2), "first") == record
+    hf = _row("hf", [3.0, 1.8], 150.0, seed=0)
+    (out / f"{bench._row_key(hf)}.json").write_text(json.dumps(hf))
+    again = bench.merge(out, "a", (1, 2), "second")
+    assert again["rows"][:2] == record["rows"][:2] and len(again["rows"]) == 3
+    assert again["comparison"]["hf-bf16-seed0"]["mega_moe_speedup"] == pytest.approx(1.5)
