@@ -39,6 +39,10 @@
 #   ncu:P:MODEL    Nsight Compute (full set) of one fused forward of MODEL at precision P
 #   ncustall:P:MODEL  Nsight Compute's warp-state, scheduler and source-counter sections of
 #                  the same forward's GEMMs
+#                  (both: NCU_LAYER_ARGS, extra tools/profile_layer.py arguments, e.g.
+#                  "--backward --backward-mode saved" for the backward's kernels too;
+#                  NCU_FILTER, ncu's kernel filter, default "-k regex:gemm", e.g.
+#                  "--kernel-name-base demangled -k regex:WeightGradEpilogue" for the weight gradients)
 #   profstep:B:P   megamoe-train-bench's config for 12 steps with backend B at precision P,
 #                  step 10 profiled (log.profile_step: kernels and the allocator's counters);
 #                  PROFSTEP_ARGS: extra trainer overrides, PROFSTEP_TAG: a suffix for its logs
@@ -160,14 +164,16 @@ for stage in "$@"; do
         --log.dir "$work/gradcheck-run" ${GRADS_ARGS:-} ;;
     ncu:*)
       spec=${stage#ncu:}; precision=${spec%%:*}; model=${spec#*:}
-      run "ncu-$precision-$model.log" ncu --clock-control none --profile-from-start off --set full -k regex:gemm \
-        python3 tools/profile_layer.py --ncu --precision "$precision" --model "$model" ;;
+      # shellcheck disable=SC2086
+      run "ncu-$precision-$model.log" ncu --clock-control none --profile-from-start off --set full \
+        ${NCU_FILTER:--k regex:gemm} python3 tools/profile_layer.py --ncu --precision "$precision" \
+        --model "$model" ${NCU_LAYER_ARGS:-} ;;
     ncustall:*)
       spec=${stage#ncustall:}; precision=${spec%%:*}; model=${spec#*:}
       run "ncustall-$precision-$model.log" ncu --clock-control none --profile-from-start off \
         --section WarpStateStats --section SchedulerStats --section SourceCounters \
-        --section SpeedOfLight -k regex:gemm \
-        python3 tools/profile_layer.py --ncu --precision "$precision" --model "$model" ;;
+        --section SpeedOfLight ${NCU_FILTER:--k regex:gemm} \
+        python3 tools/profile_layer.py --ncu --precision "$precision" --model "$model" ${NCU_LAYER_ARGS:-} ;;
     profstep:*)
       spec=${stage#profstep:}; backend=${spec%%:*}; precision=${spec#*:}
       tag=$backend-$precision${PROFSTEP_TAG:-}
