@@ -13,11 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from megamoe.train.bench import _row_key  # noqa: E402
-
-# The summary fields a record keeps once for all rows, and those it moved into each row.
-SHARED = ("config", "torch", "transformers", "model", "peak_tflops")
-PER_ROW = ("gpu", "commit", "dispatch", "wall_time_s", "flops_per_token")
+from megamoe.train.bench import _row_key, saved_row  # noqa: E402
 
 
 def main() -> None:
@@ -31,13 +27,7 @@ def main() -> None:
         parser.error(f"record: {args.record} holds no rows")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for row in rows:
-        # A saved row carries its run's summary; the record kept only part of it (the
-        # row's own fields and the record-wide ones), which is what the merge reads.
-        row = dict(row)
-        summary = {key: record.get(key) for key in SHARED}
-        summary.update({key: row.pop(key) for key in PER_ROW if key in row})
-        summary["from_record"] = str(args.record)
-        row["summary"] = summary
+        row = saved_row(record, row)
         path = args.out_dir / f"{_row_key(row)}.json"
         path.write_text(json.dumps(row, indent=1) + "\n")
         print(path)

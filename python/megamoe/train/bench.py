@@ -273,13 +273,28 @@ def merge(rows_dir: Path, name: str, window: tuple[int, int], command: str) -> d
     return record
 
 
+# A saved row carries its run's whole summary; the record keeps of it these fields per row
+# (_public) and, from the first row, those the merge puts in the record itself.
+_ROW_SUMMARY_KEYS = ("gpu", "commit", "dispatch", "wall_time_s", "flops_per_token")
+_RECORD_SUMMARY_KEYS = ("config", "torch", "transformers", "model", "peak_tflops")
+
+
 def _public(row: dict) -> dict:
     summary = row.get("summary") or {}
     out = {k: v for k, v in row.items() if k != "summary"}
-    for key in ("gpu", "commit", "dispatch", "wall_time_s", "flops_per_token"):
+    for key in _ROW_SUMMARY_KEYS:
         if key in summary:
             out[key] = summary[key]
     return out
+
+
+def saved_row(record: dict, row: dict) -> dict:
+    """The inverse of _public for one of a record's rows: a row file that merges back into
+    the same record (its summary holds only what the record kept)."""
+    saved = {k: v for k, v in row.items() if k not in _ROW_SUMMARY_KEYS}
+    saved["summary"] = {**{key: record.get(key) for key in _RECORD_SUMMARY_KEYS},
+                        **{key: row[key] for key in _ROW_SUMMARY_KEYS if key in row}}
+    return saved
 
 
 def compare(rows: list[dict], window: tuple[int, int]) -> dict:
