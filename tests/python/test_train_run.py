@@ -208,6 +208,37 @@ def test_checkpointing_keeps_the_attention_kernel_outputs():
     assert all(torch.equal(results[True][2][n], g) for n, g in results[False][2].items())
 
 
+def test_compile_dense_still_compiles_after_the_parts_are_timed():
+    # --time-parts times a one-layer copy first, its compiled attention once under a
+    # dispatch mode; the run's own compiled modules must still compile afterwards (they
+    # ran eagerly, unnoticed, before the parts reset Dynamo).
+    from torch._dynamo.utils import counters
+
+    from megamoe.train import parts
+
+    config = config_mod.load("default-cpu", [("data.seq_len", "32"), ("model.num_layers", "1"),
+                                             ("train.checkpoint_save_attention", "false"),
+                                             ("train.compile_dense", "true")])
+    info = distributed.init("cpu")
+    try:
+        hf_config = model_mod.load_hf_config(config)
+        parts.time_parts(config, hf_config, info.device, say=lambda _: None, iterations=1,
+                         warmup=1)
+        torch.manual_seed(BASE_SEED)
+        model = model_mod.build_model(config, hf_config, info.device)
+        model_mod.apply_dispatch(model, config, info.device)
+        model_mod.apply_activation_checkpointing(model, False)
+        model_mod.apply_compile_dense(model)
+        trainer_ = model_mod.CausalLMTrainer(model, 16, aux_loss_coef=0.01)
+        ids = torch.randint(0, 257, (1, 32), generator=torch.Generator().manual_seed(BASE_SEED))
+        counters.clear()
+        ce, aux = trainer_(ids, torch.roll(ids, -1, 1))
+        (ce + aux).backward()
+        assert counters["stats"]["unique_graphs"] > 0
+    finally:
+        distributed.shutdown(info)
+
+
 def test_compile_dense_compiles_all_but_the_moe_blocks():
     # torch.compile (C++ code on the CPU) of each layer's attention block and norms and of
     # the final norm; the MoE blocks stay eager. The same loss and gradients as eager up to

@@ -72,6 +72,18 @@ def _forward_backward(forward, inputs: list[torch.Tensor], params: list[torch.Te
 
 def time_parts(config: Config, hf_config, device: torch.device, say=print, *,
                iterations: int = ITERATIONS, warmup: int = WARMUP) -> dict:
+    try:
+        return _time_parts(config, hf_config, device, say, iterations, warmup)
+    finally:
+        # The compiled attention run under _KernelClock's dispatch mode leaves the code
+        # objects it ran (the attention's and RMSNorm's forward, which the training model's
+        # modules share) set to run eagerly: the run's compiled modules would then never
+        # compile. Dynamo starts the training as it would have without the parts.
+        torch._dynamo.reset()
+
+
+def _time_parts(config: Config, hf_config, device: torch.device, say, iterations: int,
+                warmup: int) -> dict:
     dtype = torch.bfloat16 if config.train.dtype == "bf16" else torch.float32
     tokens = config.train.micro_batch_size * config.data.seq_len
     small = copy.deepcopy(hf_config)
