@@ -514,8 +514,15 @@ def plot(record: dict, path: Path) -> Path | None:
             time_ax.text(i, row["step_ms"], f"{row['step_ms']:.0f} ms", ha="center", va="bottom",
                          fontsize=8)
     time_ax.set_ylabel("ms per step (median of steps 6-20)")
-    fig.suptitle(f"megamoe-train-bench {record['name']}: {record.get('gpu')}, commit "
-                 f"{str(record.get('commit'))[:12]}", fontsize=9)
+    if len(rows) > 3:  # the row names would overlap
+        for tick in time_ax.get_xticklabels():
+            tick.set_rotation(30)
+            tick.set_horizontalalignment("right")
+            tick.set_fontsize(8)
+    commits = sorted({str(r.get("commit"))[:12] for r in rows if r.get("commit")})
+    where = (f"commit {commits[0]}" if len(commits) == 1
+             else f"commits {', '.join(commits)} (see the rows)")
+    fig.suptitle(f"megamoe-train-bench {record['name']}: {record.get('gpu')}, {where}", fontsize=9)
     fig.savefig(path, dpi=110)
     return path
 
