@@ -219,6 +219,7 @@ def test_compile_dense_still_compiles_after_the_parts_are_timed():
     config = config_mod.load("default-cpu", [("data.seq_len", "32"), ("model.num_layers", "1"),
                                              ("train.checkpoint_save_attention", "false"),
                                              ("train.compile_dense", "true")])
+    torch._dynamo.reset()  # graphs another test compiled would be reused, not counted
     info = distributed.init("cpu")
     try:
         hf_config = model_mod.load_hf_config(config)
@@ -248,6 +249,7 @@ def test_compile_dense_compiles_all_but_the_moe_blocks():
     config = config_mod.load("default-cpu", [("data.seq_len", "32"), ("model.num_layers", "2"),
                                              ("train.checkpoint_save_attention", "false")])
     ids = torch.randint(0, 257, (1, 32), generator=torch.Generator().manual_seed(BASE_SEED))
+    torch._dynamo.reset()  # graphs another test compiled would be reused, not counted
     info = distributed.init("cpu")
     results = {}
     try:
