@@ -143,16 +143,17 @@ def compare(a_path, b_path):
     if a.keys() != b.keys():
         print("different outputs:", sorted(a.keys() ^ b.keys()))
         return 1
-    differ = [n for n in a
-              if (a[n]["shape"], a[n]["dtype"], a[n]["sha256"]) != (b[n]["shape"], b[n]["dtype"], b[n]["sha256"])]
+    def identity(f):
+        return f["shape"], f["dtype"], f["sha256"]
+
+    differ = [n for n in a if identity(a[n]) != identity(b[n])]
     for n in a:
         line = f"{'SAME ' if n not in differ else 'DIFF '} {n} {a[n]['shape']} {a[n]['dtype']}"
-        if n in differ and a[n]["sample"].shape == b[n]["sample"].shape:
-            x, y = a[n]["sample"], b[n]["sample"]
-            scale = x.abs().max().item() or 1.0
+        x, y = a[n]["sample"], b[n]["sample"]
+        if n in differ and x.shape == y.shape:
             line += (f" (every {a[n]['sample_step']}th value: max |a - b| "
-                     f"{(x - y).abs().max().item():.3e}, {(x != y).sum().item()} of {x.numel()} differ, "
-                     f"max |a| {scale:.3e})")
+                     f"{(x - y).abs().max().item():.3e}, {(x != y).sum().item()} of {x.numel()} "
+                     f"differ, max |a| {x.abs().max().item():.3e})")
         print(line)
     print(f"{len(a) - len(differ)} of {len(a)} outputs bitwise equal")
     return 1 if differ else 0
