@@ -11,7 +11,8 @@
 #   ab             a refactor's A/B against the library in build-base/ (BASE_LIB): outputs
 #                  compared bit for bit (tools/ab_outputs.py), then megamoe-bench of the fused
 #                  backend at both presets, 16384 tokens, both backward modes, base and new
-#                  in alternation, twice (AB_ARGS: extra megamoe-bench arguments;
+#                  in alternation, AB_ROUNDS times (default 2; 0 for the bitwise part alone;
+#                  AB_ARGS: extra megamoe-bench arguments;
 #                  AB_DUMP_ARGS: extra tools/ab_outputs.py dump arguments, e.g.
 #                  "--precisions bf16,fp8,fp8_bwd" for the FP8 kernels)
 #   fp8            the FP8 GEMM and layer tests, and the FP8 benchmark (both presets, 16384
@@ -98,7 +99,7 @@ for stage in "$@"; do
       # Repeats of one problem with NaN-filled free memory between them, both libraries.
       run ab-repeat-new.log python3 tools/repeat_check.py
       run ab-repeat-base.log env MEGAMOE_LIBRARY="$base_lib" python3 tools/repeat_check.py
-      for round in 1 2; do
+      for ((round = 1; round <= ${AB_ROUNDS:-2}; round++)); do
         bench_ab "base-$round" "$base_lib"
         bench_ab "new-$round" "$MEGAMOE_LIBRARY"
       done ;;
