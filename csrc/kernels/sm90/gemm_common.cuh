@@ -10,7 +10,7 @@ namespace megamoe::sm90 {
 
 constexpr int kBlockM = 128;  // rows of a tile: 64 for each consumer warpgroup
 constexpr int kThreads = 384;  // warpgroup 0 produces, warpgroups 1 and 2 consume
-constexpr int kSharedBudget = 224 * 1024;  // of the 227 KB a block may have
+constexpr int kMaxSharedBytes = 227 * 1024;  // dynamic shared memory a block may have
 constexpr int kStoreBoxCols = 64;  // epilogue TMA boxes: 64 rows x 64 bf16 (128 B)
 constexpr int kStoreBoxBytes = 64 * kStoreBoxCols * 2;
 

@@ -43,8 +43,31 @@ struct GroupedGemm {
   static_assert(kGrouping == Grouping::kK || Mainloop::kAMajor == Major::kK);
   static_assert(kGrouping == Grouping::kM || ALoad::kThreads == 1);
 
-  static constexpr int kStages =
-      (kSharedBudget - int(sizeof(typename Epilogue::Buffers))) / Mainloop::kStageBytes;
+  // The shared memory of a block with kS stages: the epilogue's staging first (swizzle
+  // aligned at the start), then the stage ring, its barriers and the epilogue's. Only the
+  // start of each stage tile needs 1024-byte alignment; the FP8 mainloop's scales follow the
+  // tiles unaligned, so they take their bytes and no rounding to a 1024-byte multiple.
+  template <int kS>
+  struct alignas(1024) Storage {
+    typename Epilogue::Buffers epilogue;
+    alignas(1024) typename Mainloop::template Tiles<kS> tiles;
+    Pipeline<kS> pipeline;
+    typename Epilogue::Barriers epilogue_barriers;
+  };
+  template <int kS>
+  static constexpr bool kFits = sizeof(Storage<kS>) + 1024 <= kMaxSharedBytes;  // + alignment
+  // As many stages as fit in the 227 KB a block may have, counted byte for byte (a stage
+  // short of the limit is latency the ring cannot hide: the wide FP8 GEMMs sit within a few
+  // KB of one more stage).
+  template <int kS>
+  static constexpr int most_stages() {
+    if constexpr (kS <= 2 || kFits<kS>) {
+      return kS;
+    } else {
+      return most_stages<kS - 1>();
+    }
+  }
+  static constexpr int kStages = most_stages<kMaxSharedBytes / Mainloop::kStageBytes>();
 
   struct Params {
     typename Scheduler::Params scheduler;
@@ -54,15 +77,11 @@ struct GroupedGemm {
     typename Epilogue::Params epilogue;
   };
 
-  struct alignas(1024) SharedStorage {
-    typename Mainloop::template Tiles<kStages> tiles;  // 1024-byte multiples: swizzle atoms
-    typename Epilogue::Buffers epilogue;
-    Pipeline<kStages> pipeline;
-    typename Epilogue::Barriers epilogue_barriers;
-  };
+  using SharedStorage = Storage<kStages>;
   static constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment
-  static_assert(kSharedBytes <= 227 * 1024);
+  static_assert(kSharedBytes <= kMaxSharedBytes);
   static_assert(offsetof(SharedStorage, epilogue) % 1024 == 0, "staging must be swizzle-aligned");
+  static_assert(offsetof(SharedStorage, tiles) % 1024 == 0, "tiles must be swizzle-aligned");
   static_assert(kStages >= 2);
 };
 

@@ -53,6 +53,7 @@ struct MainloopFp8 {
   static constexpr int kTileBytesB = kBlockN * kBlockK;
   static constexpr int kStageBytes =
       kTileBytesA + kTileBytesB + int(sizeof(float)) * (kAScaleSlots + kBRowScaleSlots);
+  static_assert(kTileBytesA % 1024 == 0 && kTileBytesB % 1024 == 0, "swizzle atoms per stage");
   static constexpr int kAccumulators = kBlockN / 2;
   static constexpr int kPartials = 64;  // one 128-column group's scratch
   static constexpr int kExtraTmaBytes = 0;
@@ -75,9 +76,10 @@ struct MainloopFp8 {
     int32_t a_sorted_tma;
   };
 
-  // 1024-byte multiples, like the bf16 stages: the epilogue's swizzled staging follows.
+  // Each stage's A and B tiles are 1024-byte multiples (swizzle atoms) from a 1024-aligned
+  // start (GroupedGemm's Storage); the scales after them need 16-byte (TMA) alignment only.
   template <int kStages>
-  struct alignas(1024) Tiles {
+  struct Tiles {
     Element a[kStages][kBlockM * kBlockK];
     Element b[kStages][kBlockN * kBlockK];
     float a_scales[kStages][kAScaleSlots];
