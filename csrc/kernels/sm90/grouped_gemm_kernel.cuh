@@ -55,7 +55,7 @@ struct GroupedGemm {
     typename Epilogue::Barriers epilogue_barriers;
   };
   template <int kS>
-  static constexpr bool kFits = sizeof(Storage<kS>) + 1024 <= kMaxSharedBytes;  // + alignment
+  static constexpr bool kFits = sizeof(Storage<kS>) <= kMaxSharedBytes;
   // As many stages as fit in the 227 KB a block may have, counted byte for byte (a stage
   // short of the limit is latency the ring cannot hide: the wide FP8 GEMMs sit within a few
   // KB of one more stage).
@@ -78,7 +78,9 @@ struct GroupedGemm {
   };
 
   using SharedStorage = Storage<kStages>;
-  static constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment
+  // The kernel's dynamic shared memory is declared 1024-aligned (and checked), so the
+  // storage needs no slack for aligning it by hand.
+  static constexpr size_t kSharedBytes = sizeof(SharedStorage);
   static_assert(kSharedBytes <= kMaxSharedBytes);
   static_assert(offsetof(SharedStorage, epilogue) % 1024 == 0, "staging must be swizzle-aligned");
   static_assert(offsetof(SharedStorage, tiles) % 1024 == 0, "tiles must be swizzle-aligned");
@@ -92,12 +94,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Epilogue = typename Gemm::Epilogue;
   using Producer = typename Gemm::Producer;
   constexpr int kStages = Gemm::kStages;
-  extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<typename Gemm::SharedStorage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename Gemm::SharedStorage*>(smem_raw);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
+    // The swizzled tiles and staging need 1024-byte alignment; a kernel of this family has
+    // no static shared memory, so the dynamic one starts at an aligned address.
+    if (__cvta_generic_to_shared(smem_raw) % 1024 != 0) __trap();
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.pipeline.full[s], Producer::kFullArrivals);
       mbarrier_init(&smem.pipeline.empty[s], 2 * Mainloop::kConsumerArrivals);
