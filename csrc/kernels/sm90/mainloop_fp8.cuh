@@ -9,7 +9,9 @@
 // partial products go into scratch accumulators, which are then scaled and added into the
 // fp32 sums the epilogue receives: sum += partial * sa * sb. The warpgroup waits for its MMAs
 // before that promotion; the other consumer warpgroup's MMAs keep the tensor cores busy
-// meanwhile. The scratch holds 128 columns (four m64n128k32 MMAs per k-block): a 256-wide
+// meanwhile. For that the two take turns to issue each group's MMAs (named barriers
+// kIssue0/1): otherwise both issue at once, their MMAs finish together, and both promote
+// while the tensor cores idle. The scratch holds 128 columns (four m64n128k32 MMAs per k-block): a 256-wide
 // tile runs and promotes its two 128-column halves in turn, so its sums (128 per thread)
 // and one scratch (64) fit the consumers' registers. The wide tile moves 48 bytes of A and B
 // per 128 x 256 x 128 MMA block instead of 64 per two 128 x 128 ones: less L2 and
@@ -94,6 +96,16 @@ struct MainloopFp8 {
   __device__ __forceinline__ void load_extras(Tiles<kStages>&, int, uint64_t*, const Tile&,
                                               int) const {}
 
+  // Turns: warpgroup 0 issues first. Warpgroup c waits on kIssue0 + c before each group's
+  // MMAs and arrives on the other's barrier after; warpgroup 1's opening arrival and
+  // warpgroup 0's closing wait pair off the one arrival too many.
+  __device__ __forceinline__ void start(int consumer) const {
+    if (consumer == 1) named_barrier_arrive(int(NamedBarrier::kIssue0), 256);
+  }
+  __device__ __forceinline__ void finish(int consumer) const {
+    if (consumer == 0) named_barrier_sync(int(NamedBarrier::kIssue0), 256);
+  }
+
   template <bool kGenericProxyA, int kStages>
   __device__ __forceinline__ void mma(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
                                       PipelineState<kStages>& state, const Tile& t,
@@ -134,6 +146,7 @@ struct MainloopFp8 {
       for (int g = 0; g < kHalves; ++g) {
 #pragma unroll
         for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
+        named_barrier_sync(int(NamedBarrier::kIssue0) + consumer, 256);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 32; ++kk) {
@@ -142,6 +155,7 @@ struct MainloopFp8 {
           wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+        named_barrier_arrive(int(NamedBarrier::kIssue0) + (1 - consumer), 256);
         if (g == 0) {
           sa[0] = a_scales[row];
           sa[1] = a_scales[row + 8];
