@@ -189,6 +189,26 @@ def test_weight_gradient_accumulators_add_the_same_gradients():
     assert torch.equal(acc[1].to(torch.bfloat16), grads["w_down"])
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_weight_gradient_accumulators_at_a_preset_shape(precision):
+    """The same at the 30b preset's shape (256-wide tiles, 8 k-blocks per expert, many
+    tiles per block), in several runs: there a warp's last loads of its stage's B scales
+    could still be in flight when it handed the stage back, which put wrong 16 x 8 blocks
+    (one warp's rows, a tile's last columns) into some of the fp32 runs' gradients."""
+    p = make_problem(16384, 2048, 768, 128, 8, dtype=torch.bfloat16, device="cuda", seed=11,
+                     invalid_fraction=0.01)
+    _, grads = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                              backward_mode="saved")
+    for run in range(4):
+        acc = (torch.zeros(p["w_gate_up"].shape, device="cuda"),
+               torch.zeros(p["w_down"].shape, device="cuda"))
+        run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                       backward_mode="saved", weight_grad_accumulators=acc)
+        for a, name in zip(acc, ("w_gate_up", "w_down")):
+            wrong = (a.to(torch.bfloat16) != grads[name]).sum().item()
+            assert wrong == 0, f"run {run}: {wrong} entries of d{name} differ"
+
+
 def test_cuda_graph_replays_the_eager_results():
     p = make_problem(512, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=11)
     args = [p[n] for n in ARGS]

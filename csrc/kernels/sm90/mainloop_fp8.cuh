@@ -205,10 +205,16 @@ struct MainloopFp8 {
   }
 
   // The warp's reads of the stage are done: its leader's arrival (one of kConsumerArrivals).
+  // The fence makes "done" true: ptxas issues the last scale loads (LDS) just before the
+  // arrival and uses their values only after it, and nothing else waits for them, so the
+  // arrival could reach the barrier first and the producer's next TMA fill of the stage
+  // land before a load had read it (seen as wrong 16 x 8 blocks of the FP8 weight
+  // gradients' fp32 output, whose code ptxas scheduled that way).
   template <int kStages>
   __device__ __forceinline__ static void release(Pipeline<kStages>& pipe,
                                                  const PipelineState<kStages>& state,
                                                  bool warp_leader) {
+    __threadfence_block();
     __syncwarp();
     if (warp_leader) mbarrier_arrive(&pipe.empty[state.stage]);
   }
