@@ -172,11 +172,15 @@ def test_fp8_gradients_of_a_subset_have_the_full_runs_bits(frozen, precision):
             assert torch.equal(leaf.grad, full[name]), name
 
 
+def _zero_accumulators(p):
+    """fp32 weight-gradient accumulators of problem p's weights, zero-filled."""
+    return tuple(torch.zeros(p[n].shape, device="cuda") for n in ("w_gate_up", "w_down"))
+
+
 def test_weight_gradient_accumulators_add_the_same_gradients():
     p = make_problem(600, 256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", seed=3)
     _, grads = run_with_grads(megamoe.moe, p, backend="fused", precision="fp8")
-    acc = (torch.zeros(p["w_gate_up"].shape, device="cuda"),
-           torch.zeros(p["w_down"].shape, device="cuda"))
+    acc = _zero_accumulators(p)
     w_gate_up = p["w_gate_up"].detach().clone().requires_grad_(True)
     w_down = p["w_down"].detach().clone().requires_grad_(True)
     y = megamoe.moe(p["x"], p["topk_ids"], p["topk_weights"], w_gate_up, w_down,
@@ -200,8 +204,7 @@ def test_weight_gradient_accumulators_at_a_preset_shape(precision):
     _, grads = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
                               backward_mode="saved")
     for run in range(4):
-        acc = (torch.zeros(p["w_gate_up"].shape, device="cuda"),
-               torch.zeros(p["w_down"].shape, device="cuda"))
+        acc = _zero_accumulators(p)
         run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
                        backward_mode="saved", weight_grad_accumulators=acc)
         for a, name in zip(acc, ("w_gate_up", "w_down")):
