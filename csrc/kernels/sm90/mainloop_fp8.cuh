@@ -130,6 +130,11 @@ struct MainloopFp8 {
       const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]);
       const float* a_scales = tiles.a_scales[state.stage] + a_offset + consumer * 64;
       float sa[2];
+      // Wide tiles: the warpgroup's A fragments of the k-block, read from shared memory once
+      // for both groups (from the descriptor, each group's MMAs read A again).
+      uint32_t a_frag[kBlockK / 32][4];
+      if constexpr (kHalves == 2) load_a_fragments(tiles.a[state.stage] + consumer * 64 * kBlockK,
+                                                   a_frag);
 #pragma unroll
       for (int g = 0; g < kHalves; ++g) {
 #pragma unroll
@@ -139,7 +144,11 @@ struct MainloopFp8 {
         for (int kk = 0; kk < kBlockK / 32; ++kk) {
           // 32 bytes along K per MMA: 2 descriptor units of 16 bytes; group g's B rows start
           // 128 rows (16 KB, 1024 units) in.
-          wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
+          if constexpr (kHalves == 2) {
+            wgmma_e4m3_n128_rs(partial, a_frag[kk], desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
+          } else {
+            wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
+          }
         }
         wgmma_commit();
         if (g == 0) {
@@ -164,6 +173,21 @@ struct MainloopFp8 {
       }
       if constexpr (kBRowScales) release(pipe, state, warp_leader);
       state.advance();
+    }
+  }
+
+  // The warp's 16 rows of the slab's 128-byte-swizzled A tile (64 rows x 128 bytes), as
+  // ldmatrix_x4 fragments per 32 bytes of K: lane l addresses row l % 8 (+ 8 for matrices
+  // 1 and 3) of 16-byte chunk 2 kk + l / 16, stored at chunk ^ (row % 8).
+  __device__ __forceinline__ static void load_a_fragments(const Element* slab,
+                                                          uint32_t (&a)[kBlockK / 32][4]) {
+    const int lane = threadIdx.x % 32;
+    const int row = (threadIdx.x % 128) / 32 * 16 + (lane / 8) % 2 * 8 + lane % 8;
+    const uint8_t* row_base = reinterpret_cast<const uint8_t*>(slab) + row * kBlockK;
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 32; ++kk) {
+      const int chunk = 2 * kk + lane / 16;
+      ldmatrix_x4(row_base + ((chunk ^ (row % 8)) * 16), a[kk][0], a[kk][1], a[kk][2], a[kk][3]);
     }
   }
 

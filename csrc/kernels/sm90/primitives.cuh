@@ -251,6 +251,22 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t desc_a,
                : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// The same MMA with A from registers: a[0..3] is this thread's fragment of the 64 x 32 A
+// (row 16 w + l / 4 and 8 below it, bytes 4 (l % 4).. and 16 + 4 (l % 4).., w the warp and
+// l the lane), as ldmatrix_x4 loads it from a K-major tile. The registers must not change
+// until the MMA has completed (wgmma_wait).
+__device__ __forceinline__ void wgmma_e4m3_n128_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                   uint64_t desc_b, int scale_d) {
+  asm volatile("{\n"
+               ".reg .pred p;\n"
+               "setp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+               "{" MEGAMOE_WGMMA_D_0_63 "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n"
+               "}\n"
+               : MEGAMOE_WGMMA_ACC64(d, 0)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
 #undef MEGAMOE_WGMMA_ACC64
 #undef MEGAMOE_WGMMA_ACC8
 #undef MEGAMOE_WGMMA_D_64_127
