@@ -1,16 +1,19 @@
 // The weight gradient's epilogue (Grouping::kK, C = [E * m, n]): written in bf16 by the
 // store epilogue (epilogue_store.cuh; these tiles are always full), or added into an fp32
 // gradient, C += the tile, when Params::f32 is set. One kernel serves both outputs: the
-// choice is per call.
+// choice is per call. With kStaged = false the bf16 output is stored from registers too: no
+// staging buffer, so the FP8 kernel's wide stages fit four instead of three (K = 1024 per
+// expert is only 8 k-blocks a tile, little to hide a stage's load behind).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/sm90/epilogue_store.cuh"
 
 namespace megamoe::sm90 {
 
-template <int kBlockN_>
+template <int kBlockN_, bool kStaged = true>
 class WeightGradEpilogue {
  public:
   using Bf16 = StoreEpilogue<kBlockN_>;  // the bf16 output; the tile is the same
@@ -18,7 +21,8 @@ class WeightGradEpilogue {
   static constexpr BColumns kBColumns = Bf16::kBColumns;
 
   struct Params {
-    typename Bf16::Params bf16;  // used when f32 is null
+    typename Bf16::Params bf16;  // used when f32 is null (kStaged)
+    __nv_bfloat16* c;            // the same output (!kStaged)
     float* f32;                  // [E * m, ld]: C += the gradient
     int64_t ld;
   };
@@ -26,30 +30,37 @@ class WeightGradEpilogue {
   static Params params(__nv_bfloat16* c, float* c_f32, int64_t rows, int64_t ld) {
     Params p{};
     // Accumulating into fp32 goes through registers: no store map then.
-    if (c_f32 == nullptr) p.bf16 = Bf16::params(c, rows, ld, false);
+    if (kStaged && c_f32 == nullptr) p.bf16 = Bf16::params(c, rows, ld, false);
+    p.c = c;
     p.f32 = c_f32;
     p.ld = ld;
     return p;
   }
 
-  using Buffers = typename Bf16::Buffers;
+  struct NoBuffers {};
+  using Buffers = std::conditional_t<kStaged, typename Bf16::Buffers, NoBuffers>;
   using Barriers = typename Bf16::Barriers;
   __device__ __forceinline__ static void init(Barriers& b) { Bf16::init(b); }
 
   __device__ __forceinline__ WeightGradEpilogue(const Params& p, Buffers& buffers,
                                                 Barriers& barriers, int consumer)
-      : f32_(p.f32), ld_(p.ld), bf16_(p.bf16, buffers, barriers, consumer), consumer_(consumer) {}
+      : f32_(p.f32), c_(p.c), ld_(p.ld), bf16_(p.bf16, staged_buffers(buffers), barriers, consumer),
+        consumer_(consumer) {}
 
   __device__ __forceinline__ void begin_tile(const Tile&) {}
 
   __device__ __forceinline__ void store(const Tile& t, const float (&acc)[kBlockN / 2]) {
     if (f32_ != nullptr) {
       accumulate_f32(t, acc);
-    } else {
+    } else if constexpr (kStaged) {
       bf16_.store(t, acc);
+    } else {
+      store_bf16_direct(t, acc);
     }
   }
-  __device__ __forceinline__ void finish() { bf16_.finish(); }
+  __device__ __forceinline__ void finish() {
+    if constexpr (kStaged) bf16_.finish();
+  }
 
  private:
   // Each output tile has one owner: a plain read-add-write, no atomics.
@@ -64,7 +75,23 @@ class WeightGradEpilogue {
         });
   }
 
+  __device__ __forceinline__ void store_bf16_direct(const Tile& t,
+                                                    const float (&acc)[kBlockN / 2]) {
+    __nv_bfloat16* base = c_ + int64_t(t.row0 + consumer_ * 64) * ld_ + t.n_tile * kBlockN;
+    for_each_output<kBlockN>(
+        [&](int q, int half, int j) { return acc[Fragment::index(q, half, j)]; },
+        [&](int r, int c, float v0, float v1) {
+          *reinterpret_cast<__nv_bfloat162*>(base + int64_t(r) * ld_ + c) =
+              __floats2bfloat162_rn(v0, v1);
+        });
+  }
+  // The staged store's constructor wants a buffer; without staging it is never used.
+  __device__ __forceinline__ static typename Bf16::Buffers& staged_buffers(Buffers& buffers) {
+    return *reinterpret_cast<typename Bf16::Buffers*>(&buffers);
+  }
+
   float* f32_;
+  __nv_bfloat16* c_;
   int64_t ld_;
   Bf16 bf16_;
   int consumer_;

@@ -79,6 +79,6 @@ using MGroupedFp8GemmNtSwiGLUBackward =
     MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
 template <int kBlockN>
 using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows, BColumns::kContiguous, kBlockN>,
-                                       WeightGradEpilogue<kBlockN>>;
+                                       WeightGradEpilogue<kBlockN, false>>;
 
 }  // namespace megamoe::sm90

@@ -17,6 +17,9 @@ bool misaligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0
 
 }  // namespace
 
+static_assert(KGroupedFp8GemmTn<256>::kStages == 4, "stages");
+static_assert(KGroupedFp8GemmTn<128>::kStages >= 4, "stages");
+
 void k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& w, cudaStream_t stream) {
   if (w.m % kBlockM || w.n % 128 || w.m < 1 || w.n < 1) {
     throw_invalid("k_grouped_fp8_gemm_tn: M and N must be positive multiples of 128");
