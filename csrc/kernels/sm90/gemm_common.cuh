@@ -35,6 +35,10 @@ enum class NamedBarrier : int {
   kSyncThreads = 0,  // __syncthreads's
   kConsumer0 = 1,
   kConsumer1 = 2,
+  // The FP8 mainloop's turns: consumer warpgroup c may issue its next MMAs once kTurn0 + c
+  // completes (the other warpgroup's MMAs have finished).
+  kTurn0 = 3,
+  kTurn1 = 4,
 };
 __device__ __forceinline__ void consumer_barrier_sync(int consumer) {
   named_barrier_sync(static_cast<int>(NamedBarrier::kConsumer0) + consumer, 128);

@@ -127,12 +127,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Mainloop mainloop(p.mainloop);
   float acc[Mainloop::kAccumulators];
   PipelineState<kStages> state;
+  mainloop.start(consumer);
   scheduler.for_each_tile([&](const Tile& t) {
     epilogue.begin_tile(t);
     mainloop.template mma<Gemm::ALoad::kGenericProxy>(smem.tiles, smem.pipeline, state, t, acc,
                                                       consumer);
     epilogue.store(t, acc);
   });
+  mainloop.finish(consumer);
   epilogue.finish();
 }
 

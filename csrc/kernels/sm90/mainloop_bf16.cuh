@@ -54,6 +54,10 @@ struct MainloopBf16 {
   __device__ __forceinline__ explicit MainloopBf16(const Params& p)
       : b_lbo_(p.b_lbo), b_sbo_(p.b_sbo) {}
 
+  // Before and after a consumer warpgroup's tiles (the FP8 mainloop orders its warpgroups).
+  __device__ __forceinline__ void start(int) const {}
+  __device__ __forceinline__ void finish(int) const {}
+
   template <int kStages>
   __device__ __forceinline__ void load_extras(Tiles<kStages>&, int, uint64_t*, const Tile&,
                                               int) const {}

@@ -58,6 +58,10 @@ struct MainloopFp8 {
   static constexpr int kPartials = 64;  // one 128-column group's scratch
   static constexpr int kExtraTmaBytes = 0;
   static constexpr int kConsumerArrivals = 4;
+#ifndef MEGAMOE_FP8_TURNS
+#define MEGAMOE_FP8_TURNS 1
+#endif
+  static constexpr int kTurns = MEGAMOE_FP8_TURNS;
   // Narrow: 128 accumulators per consumer thread (sums and scratch) leave room to give the
   // producer more (its row gather also copies the rows' scales). Wide: 192 (128 sums, 64
   // scratch); its A comes by TMA, so the producer's one thread needs few.
@@ -93,6 +97,19 @@ struct MainloopFp8 {
   template <int kStages>
   __device__ __forceinline__ void load_extras(Tiles<kStages>&, int, uint64_t*, const Tile&,
                                               int) const {}
+
+  // Turns (MEGAMOE_FP8_TURNS = 1: hand over once the MMAs have completed; 2: once all but
+  // the last have): the consumer warpgroups run their groups' MMAs one after the other, so
+  // one promotes while the other's MMAs run. Without them both issue at once, their MMAs
+  // finish together and both promote while the tensor cores idle. Warpgroup 0 goes first:
+  // warpgroup 1's opening arrival and warpgroup 0's closing wait pair off the one arrival
+  // too many.
+  __device__ __forceinline__ void start(int consumer) const {
+    if (kTurns && consumer == 1) named_barrier_arrive(int(NamedBarrier::kTurn0), 256);
+  }
+  __device__ __forceinline__ void finish(int consumer) const {
+    if (kTurns && consumer == 0) named_barrier_sync(int(NamedBarrier::kTurn0), 256);
+  }
 
   template <bool kGenericProxyA, int kStages>
   __device__ __forceinline__ void mma(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
@@ -134,19 +151,28 @@ struct MainloopFp8 {
       for (int g = 0; g < kHalves; ++g) {
 #pragma unroll
         for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
+        if constexpr (kTurns) named_barrier_sync(int(NamedBarrier::kTurn0) + consumer, 256);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 32; ++kk) {
           // 32 bytes along K per MMA: 2 descriptor units of 16 bytes; group g's B rows start
           // 128 rows (16 KB, 1024 units) in.
           wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
+          if constexpr (kTurns == 2) wgmma_commit();
         }
-        wgmma_commit();
+        if constexpr (kTurns != 2) wgmma_commit();
         if (g == 0) {
           sa[0] = a_scales[row];
           sa[1] = a_scales[row + 8];
         }
+        if constexpr (kTurns == 2) {
+          wgmma_wait<1>();
+          named_barrier_arrive(int(NamedBarrier::kTurn0) + (1 - consumer), 256);
+        }
         wgmma_wait<0>();
+        if constexpr (kTurns == 1) {
+          named_barrier_arrive(int(NamedBarrier::kTurn0) + (1 - consumer), 256);
+        }
 #pragma unroll
         for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
         // Block scales: after the last group's MMAs the warp has read all of the stage it
