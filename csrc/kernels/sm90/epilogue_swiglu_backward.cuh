@@ -115,7 +115,16 @@ class SwiGLUBackwardEpilogue {
   // released by the last tile's epilogue, whose final barrier every thread has passed).
   __device__ __forceinline__ void begin_tile(const Tile& t) {
     if constexpr (kHByTma) {
-      if (o_.padded && threadIdx.x % 128 == 0) load_h_quarter(t, 0);
+      if (o_.padded && threadIdx.x % 128 == 0) {
+        load_h_quarter(t, 0);
+        // Quarters 1-3 into L2 meanwhile: the epilogue then waits on L2, not HBM, for each.
+        const int row = t.row0 + consumer_ * 64;
+        for (int quarter = 1; quarter < kBlockN / kStoreBoxCols; ++quarter) {
+          const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
+          tma_prefetch_l2_2d(&p_.map_h, col, row);
+          tma_prefetch_l2_2d(&p_.map_h, o_.half_n + col, row);
+        }
+      }
     }
   }
 

@@ -59,6 +59,16 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// Brings the box at (inner, outer) of a 2-D tensor map into L2, with no completion to wait
+// for: a later load of the same box then hits L2.
+__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int32_t inner,
+                                                   int32_t outer) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(inner), "r"(outer)
+               : "memory");
+}
+
 // Stores a shared-memory box to (inner, outer) of a 2-D tensor map, in this thread's
 // current bulk async-group.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src,
