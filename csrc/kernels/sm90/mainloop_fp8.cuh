@@ -116,14 +116,22 @@ struct MainloopFp8 {
     const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
     const bool warp_leader = threadIdx.x % 32 == 0;
     float partial[kPartials];
-    for (int kb = 0; kb < t.k_blocks; ++kb) {
-      float sb[2] = {1.f, 1.f};
+    // Block scales: k-block kb's are loaded during k-block kb - 1. They come from L2 (the
+    // shared memory leaves L1 little room), and loaded in their own k-block they held up
+    // its promotion, and with it the next MMAs into the same scratch.
+    // A narrow contiguous tile lies in one block: its second scale is the first.
+    constexpr bool kTwoBlocks = kHalves == 2 || kBColumns == BColumns::kGateUpHalves;
+    const auto load_sb = [&](int kb, float (&to)[2]) {
       if constexpr (!kBRowScales) {
-        sb[0] = __ldg(b_rows[0] + kb * s_k_);
-        // A narrow contiguous tile lies in one block: its second scale is the first.
-        constexpr bool kTwoBlocks = kHalves == 2 || kBColumns == BColumns::kGateUpHalves;
-        sb[1] = kTwoBlocks ? __ldg(b_rows[1] + kb * s_k_) : sb[0];
+        to[0] = __ldg(b_rows[0] + kb * s_k_);
+        to[1] = kTwoBlocks ? __ldg(b_rows[1] + kb * s_k_) : to[0];
       }
+    };
+    float sb_next[2] = {1.f, 1.f};
+    if (t.k_blocks > 0) load_sb(0, sb_next);
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
+      const float sb[2] = {sb_next[0], sb_next[1]};
+      if (kb + 1 < t.k_blocks) load_sb(kb + 1, sb_next);
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       if constexpr (kGenericProxyA) fence_proxy_async_shared();
       const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + consumer * 64 * kBlockK);
