@@ -49,6 +49,46 @@ chain::Fp8Weight fp8_weight(const std::string& name, const megamoe_tensor* q,
 
 }  // namespace
 
+namespace megamoe::fused {
+
+Fp8Experts fp8_forward_weights(const LayerShape& s, const megamoe_tensor* w_gate_up_q,
+                               const megamoe_tensor* w_gate_up_scales,
+                               const megamoe_tensor* w_down_q,
+                               const megamoe_tensor* w_down_scales) {
+  require_tensor(w_gate_up_q, "w_gate_up_q");
+  require_tensor(w_down_q, "w_down_q");
+  Fp8Experts fp8;
+  fp8.precision = chain::Precision::kFp8;
+  fp8.gate_up = fp8_weight("w_gate_up", w_gate_up_q, nullptr, w_gate_up_scales, s.E, 2 * s.I,
+                           s.H, "[E, 2I, H]", "", "[E, 2I/128, H/128]");
+  fp8.down = fp8_weight("w_down", w_down_q, nullptr, w_down_scales, s.E, s.H, s.I, "[E, H, I]",
+                        "", "[E, H/128, I/128]");
+  return fp8;
+}
+
+Fp8Experts fp8_backward_weights(const LayerShape& s, bool forward_fp8, bool h_saved,
+                                const megamoe_tensor* w_gate_up_q,
+                                const megamoe_tensor* w_gate_up_q_t,
+                                const megamoe_tensor* w_gate_up_scales,
+                                const megamoe_tensor* w_down_q_t,
+                                const megamoe_tensor* w_down_scales) {
+  require_tensor(w_gate_up_q_t, "w_gate_up_q_t");
+  require_tensor(w_down_q_t, "w_down_q_t");
+  // An FP8 recompute of L1 reads w_gate_up's values as the forward did.
+  const bool recompute_fp8 = forward_fp8 && !h_saved;
+  if (recompute_fp8) require_tensor(w_gate_up_q, "w_gate_up_q");
+  Fp8Experts fp8;
+  fp8.precision = forward_fp8 ? chain::Precision::kFp8 : chain::Precision::kFp8Backward;
+  fp8.gate_up = fp8_weight("w_gate_up", recompute_fp8 ? w_gate_up_q : nullptr, w_gate_up_q_t,
+                           w_gate_up_scales, s.E, 2 * s.I, s.H, "[E, 2I, H]", "[E, H, 2I]",
+                           "[E, 2I/128, H/128]");
+  fp8.down = fp8_weight("w_down", nullptr, w_down_q_t, w_down_scales, s.E, s.H, s.I,
+                        "[E, H, I]", "[E, I, H]", "[E, H/128, I/128]");
+  return fp8;
+}
+
+}  // namespace megamoe::fused
+
 extern "C" {
 
 MEGAMOE_API megamoe_status megamoe_fused_fp8_workspace_size(int64_t tokens, int64_t topk,
@@ -71,14 +111,8 @@ MEGAMOE_API megamoe_status megamoe_fused_fp8_forward(
     megamoe_tensor* saved_h, void* workspace, size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_fused_fp8_forward", [&] {
     const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
-    require_tensor(w_gate_up_q, "w_gate_up_q");
-    require_tensor(w_down_q, "w_down_q");
-    fused::Fp8Experts fp8;
-    fp8.precision = chain::Precision::kFp8;
-    fp8.gate_up = fp8_weight("w_gate_up", w_gate_up_q, nullptr, w_gate_up_scales, s.E, 2 * s.I,
-                             s.H, "[E, 2I, H]", "", "[E, 2I/128, H/128]");
-    fp8.down = fp8_weight("w_down", w_down_q, nullptr, w_down_scales, s.E, s.H, s.I,
-                          "[E, H, I]", "", "[E, H/128, I/128]");
+    const fused::Fp8Experts fp8 = fused::fp8_forward_weights(s, w_gate_up_q, w_gate_up_scales,
+                                                             w_down_q, w_down_scales);
     fused::run_forward(x, topk_ids, topk_weights, w_gate_up, w_down, y, saved_h, workspace,
                        workspace_bytes, cuda_stream, fp8);
     return MEGAMOE_SUCCESS;
@@ -108,18 +142,9 @@ MEGAMOE_API megamoe_status megamoe_fused_fp8_backward(
     megamoe_tensor* d_w_down, void* workspace, size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_fused_fp8_backward", [&] {
     const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
-    require_tensor(w_gate_up_q_t, "w_gate_up_q_t");
-    require_tensor(w_down_q_t, "w_down_q_t");
-    // An FP8 recompute of L1 reads w_gate_up's values as the forward did.
-    const bool recompute_fp8 = forward_fp8 != 0 && saved_h == nullptr;
-    if (recompute_fp8) require_tensor(w_gate_up_q, "w_gate_up_q");
-    fused::Fp8Experts fp8;
-    fp8.precision = forward_fp8 != 0 ? chain::Precision::kFp8 : chain::Precision::kFp8Backward;
-    fp8.gate_up = fp8_weight("w_gate_up", recompute_fp8 ? w_gate_up_q : nullptr, w_gate_up_q_t,
-                             w_gate_up_scales, s.E, 2 * s.I, s.H, "[E, 2I, H]", "[E, H, 2I]",
-                             "[E, 2I/128, H/128]");
-    fp8.down = fp8_weight("w_down", nullptr, w_down_q_t, w_down_scales, s.E, s.H, s.I,
-                          "[E, H, I]", "[E, I, H]", "[E, H/128, I/128]");
+    const fused::Fp8Experts fp8 = fused::fp8_backward_weights(
+        s, forward_fp8 != 0, saved_h != nullptr, w_gate_up_q, w_gate_up_q_t, w_gate_up_scales,
+        w_down_q_t, w_down_scales);
     fused::run_backward(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, dx,
                         d_topk_weights, d_w_gate_up, d_w_down, workspace, workspace_bytes,
                         cuda_stream, fp8);
