@@ -6,7 +6,7 @@
 #   bash tools/gpu_check.sh OUT_DIR            # tests + short benchmark
 #   MEGAMOE_BENCH_ARGS="--tokens 16384" bash tools/gpu_check.sh OUT_DIR
 #
-# Writes to OUT_DIR: gpu.txt, ctest.log (+ gtest.xml), pytest.log, ep_check.json (2+ GPUs),
+# Writes to OUT_DIR: gpu.txt, ctest.log (+ gtest.xml), pytest.log, ep_check*.json (2+ GPUs),
 # sass.txt/sass.log, sanitizer-*.log, fp8-quantize.log, bench-short.json and the benchmark
 # log. Exits non-zero if any step failed.
 set -uo pipefail
@@ -37,12 +37,20 @@ echo "GPUs: $gpus" >&2
 
 step "C++ tests" ctest.log build/tests/cpp/megamoe_tests --gtest_output="xml:$out/gtest.xml"
 step "Python tests" pytest.log python3 -m pytest -v -rs tests/python --ignore=tests/python/test_ep.py
+# The fused EP ops at every precision on a one-rank group, through Python.
+step "EP one-rank check" ep_one_rank.log python3 -m torch.distributed.run --standalone \
+  --nproc-per-node 1 tests/python/ep_one_rank_check.py
 if [ "$gpus" -ge 2 ]; then
   step "EP=2 check" ep_check.log python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     tests/python/ep_check.py --json "$out/ep_check.json"
   step "EP=2 fused check" ep_check_fused.log timeout 300 python3 -m torch.distributed.run \
     --standalone --nproc-per-node 2 tests/python/ep_check.py --backend fused \
     --graph --json "$out/ep_check_fused.json"
+  for precision in fp8 fp8_bwd; do
+    step "EP=2 fused $precision check" "ep_check_fused_$precision.log" timeout 300 \
+      python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/ep_check.py \
+      --backend fused --precision "$precision" --graph --json "$out/ep_check_fused_$precision.json"
+  done
 fi
 # The GEMM kernels must use the tensor cores (HGMMA) and never spill to local memory.
 sass_check() {

@@ -1,5 +1,7 @@
 // Step 4 of an expert-parallel call (ep_layer.h lists them all): every token's rows to the
 // ranks that own its experts, by peer stores.
+#include <algorithm>
+
 #include "comm/ep_phases.h"
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -113,6 +115,22 @@ __global__ void __launch_bounds__(kCopyThreads)
 }
 
 
+// received_slot_rows (ep_phases.h): one thread per entry.
+__global__ void __launch_bounds__(kCopyThreads)
+    received_slot_rows_kernel(char* own, const __grid_constant__ BufferLayout layout, int world,
+                              const int32_t* __restrict__ skip, int32_t* __restrict__ out) {
+  const int64_t k = layout.topk, T = layout.max_tokens;
+  const int32_t* count = at<const int32_t>(own, layout.recv_token_count);
+  const int32_t* slot_row = at<const int32_t>(own, layout.recv_slot_row);
+  const int64_t n = int64_t(world) * T * k;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t token = e / k, source = token / T;
+    const bool received = *skip == 0 && token - source * T < count[source];
+    out[e] = received ? slot_row[e] : -1;
+  }
+}
+
 [[maybe_unused]] const bool kPreloadable = register_kernel_module(&dispatch_kernel<int32_t>);
 
 }  // namespace
@@ -134,6 +152,15 @@ void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
   } else {
     launch(static_cast<const int32_t*>(topk_ids));
   }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void received_slot_rows(const Call& c, int32_t* out, cudaStream_t stream) {
+  const int64_t n = int64_t(c.g.peers.world_size) * c.g.max_tokens * c.g.topk;
+  if (n == 0) return;
+  const int64_t blocks = std::min<int64_t>((n + kCopyThreads - 1) / kCopyThreads, 4 * int64_t(c.sms));
+  received_slot_rows_kernel<<<static_cast<unsigned>(blocks), kCopyThreads, 0, stream>>>(
+      c.own(), c.buffer, c.g.peers.world_size, c.w.skip, out);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

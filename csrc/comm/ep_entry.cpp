@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/layer_shape.h"
 #include "core/tensor_check.h"
+#include "fused/entries.h"
 #include "kernels/common/device.h"
 
 using namespace megamoe;
@@ -118,6 +119,105 @@ void check_saved_h(const megamoe_tensor& h, const ep::Group& g, const LayerShape
   require_dtype(h, "saved_h", {MEGAMOE_DTYPE_BFLOAT16});
 }
 
+
+// The experts of an EP call: the bf16 weights, and with fp8 (the FP8 entries' checked
+// copies) their precision and FP8 copies.
+chain::Experts experts_of(const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down,
+                          const LayerShape& s, const fused::Fp8Experts* fp8) {
+  chain::Experts e{static_cast<const __nv_bfloat16*>(w_gate_up->data),
+                   static_cast<const __nv_bfloat16*>(w_down->data), s.H, s.I};
+  if (fp8 != nullptr) {
+    e.precision = fp8->precision;
+    e.fp8_gate_up = fp8->gate_up;
+    e.fp8_down = fp8->down;
+  }
+  return e;
+}
+
+void check_size_query(int64_t tokens, int64_t intermediate) {
+  if (tokens < 0 || intermediate < 128 || intermediate % 128) {
+    throw_invalid("tokens >= 0 and intermediate a positive multiple of 128 expected");
+  }
+}
+
+// megamoe_ep_forward and megamoe_ep_fp8_forward (fp8: the weights' FP8 copies, checked).
+void ep_forward(const megamoe_ep_group* group, const megamoe_tensor* x,
+                const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
+                const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down, megamoe_tensor* y,
+                megamoe_tensor* saved_h, void* workspace, size_t workspace_bytes,
+                void* cuda_stream, const fused::Fp8Experts* fp8) {
+  const ep::Group g = to_group(group, true);
+  const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
+  check_token_rows(y, "y", s);
+  require_dtype(*y, "y", {MEGAMOE_DTYPE_BFLOAT16});
+  const std::initializer_list<Named> inputs = {{x, "x"}, {topk_ids, "topk_ids"},
+                                               {topk_weights, "topk_weights"},
+                                               {w_gate_up, "w_gate_up"}, {w_down, "w_down"}};
+  if (saved_h != nullptr) {
+    check_saved_h(*saved_h, g, s);
+    check_memory(inputs, {{y, "y"}, {saved_h, "saved_h"}});
+  } else {
+    check_memory(inputs, {{y, "y"}});
+  }
+  ep::forward(g, static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
+              topk_ids->dtype == MEGAMOE_DTYPE_INT64, static_cast<const float*>(topk_weights->data),
+              experts_of(w_gate_up, w_down, s, fp8), s.T, static_cast<__nv_bfloat16*>(y->data),
+              saved_h != nullptr ? static_cast<__nv_bfloat16*>(saved_h->data) : nullptr,
+              workspace, workspace_bytes, static_cast<cudaStream_t>(cuda_stream));
+}
+
+// megamoe_ep_backward and megamoe_ep_fp8_backward.
+void ep_backward(const megamoe_ep_group* group, const megamoe_tensor* dy,
+                 const megamoe_tensor* x, const megamoe_tensor* topk_ids,
+                 const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
+                 const megamoe_tensor* w_down, const megamoe_tensor* saved_h, megamoe_tensor* dx,
+                 megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up,
+                 megamoe_tensor* d_w_down, void* workspace, size_t workspace_bytes,
+                 void* cuda_stream, const fused::Fp8Experts* fp8) {
+  const ep::Group g = to_group(group, true);
+  const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
+  check_token_rows(dy, "dy", s);
+  check_token_rows(dx, "dx", s);
+  require_dtype(*dy, "dy", {MEGAMOE_DTYPE_BFLOAT16});
+  require_dtype(*dx, "dx", {MEGAMOE_DTYPE_BFLOAT16});
+  for (const auto& [t, name] : {Named{d_topk_weights, "d_topk_weights"},
+                                Named{d_w_gate_up, "d_w_gate_up"}, Named{d_w_down, "d_w_down"}}) {
+    if (t == nullptr) throw_invalid(std::string(name) + ": required in this version");
+  }
+  require_shape(*d_topk_weights, "d_topk_weights", {{"T", s.T}, {"k", s.k}}, "from topk_ids");
+  require_dtype(*d_topk_weights, "d_topk_weights", {MEGAMOE_DTYPE_FLOAT32});
+  require_shape(*d_w_gate_up, "d_w_gate_up", {{"E", s.E}, {"2I", 2 * s.I}, {"H", s.H}},
+                "from w_gate_up");
+  require_dtype(*d_w_gate_up, "d_w_gate_up", {MEGAMOE_DTYPE_BFLOAT16, MEGAMOE_DTYPE_FLOAT32});
+  require_shape(*d_w_down, "d_w_down", {{"E", s.E}, {"H", s.H}, {"I", s.I}}, "from w_down");
+  require_dtype(*d_w_down, "d_w_down", {MEGAMOE_DTYPE_BFLOAT16, MEGAMOE_DTYPE_FLOAT32});
+  const std::initializer_list<Named> outputs = {{dx, "dx"}, {d_topk_weights, "d_topk_weights"},
+                                                {d_w_gate_up, "d_w_gate_up"},
+                                                {d_w_down, "d_w_down"}};
+  if (saved_h != nullptr) {
+    check_saved_h(*saved_h, g, s);
+    check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"}, {topk_weights, "topk_weights"},
+                  {w_gate_up, "w_gate_up"}, {w_down, "w_down"}, {saved_h, "saved_h"}},
+                 outputs);
+  } else {
+    check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"}, {topk_weights, "topk_weights"},
+                  {w_gate_up, "w_gate_up"}, {w_down, "w_down"}},
+                 outputs);
+  }
+  const auto grad = [](megamoe_tensor* t) {
+    return chain::WeightGrad::of(t->data, t->dtype == MEGAMOE_DTYPE_FLOAT32);
+  };
+  ep::backward(g, static_cast<const __nv_bfloat16*>(dy->data),
+               static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
+               topk_ids->dtype == MEGAMOE_DTYPE_INT64,
+               static_cast<const float*>(topk_weights->data),
+               experts_of(w_gate_up, w_down, s, fp8), s.T,
+               saved_h != nullptr ? static_cast<const __nv_bfloat16*>(saved_h->data) : nullptr,
+               static_cast<__nv_bfloat16*>(dx->data), static_cast<float*>(d_topk_weights->data),
+               grad(d_w_gate_up), grad(d_w_down), workspace, workspace_bytes,
+               static_cast<cudaStream_t>(cuda_stream));
+}
+
 }  // namespace
 
 extern "C" {
@@ -135,9 +235,7 @@ MEGAMOE_API megamoe_status megamoe_ep_workspace_size(const megamoe_ep_group* gro
                                                      size_t* bytes) {
   return abi_call("megamoe_ep_workspace_size", [&] {
     if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
-    if (tokens < 0 || intermediate < 128 || intermediate % 128) {
-      throw_invalid("tokens >= 0 and intermediate a positive multiple of 128 expected");
-    }
+    check_size_query(tokens, intermediate);
     *bytes = ep::forward_workspace_bytes(to_group(group, false), tokens, intermediate);
     return MEGAMOE_SUCCESS;
   });
@@ -149,9 +247,7 @@ MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_g
                                                               int32_t h_saved, size_t* bytes) {
   return abi_call("megamoe_ep_backward_workspace_size", [&] {
     if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
-    if (tokens < 0 || intermediate < 128 || intermediate % 128) {
-      throw_invalid("tokens >= 0 and intermediate a positive multiple of 128 expected");
-    }
+    check_size_query(tokens, intermediate);
     *bytes = ep::backward_workspace_bytes(to_group(group, false), tokens, intermediate,
                                           h_saved != 0);
     return MEGAMOE_SUCCESS;
@@ -186,26 +282,37 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
                                               megamoe_tensor* saved_h, void* workspace,
                                               size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_ep_forward", [&] {
-    const ep::Group g = to_group(group, true);
-    const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
-    check_token_rows(y, "y", s);
-    require_dtype(*y, "y", {MEGAMOE_DTYPE_BFLOAT16});
-    const std::initializer_list<Named> inputs = {{x, "x"}, {topk_ids, "topk_ids"},
-                                                 {topk_weights, "topk_weights"},
-                                                 {w_gate_up, "w_gate_up"}, {w_down, "w_down"}};
-    if (saved_h != nullptr) {
-      check_saved_h(*saved_h, g, s);
-      check_memory(inputs, {{y, "y"}, {saved_h, "saved_h"}});
-    } else {
-      check_memory(inputs, {{y, "y"}});
-    }
-    ep::forward(g, static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
-                topk_ids->dtype == MEGAMOE_DTYPE_INT64, static_cast<const float*>(topk_weights->data),
-                static_cast<const __nv_bfloat16*>(w_gate_up->data),
-                static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.I,
-                static_cast<__nv_bfloat16*>(y->data),
-                saved_h != nullptr ? static_cast<__nv_bfloat16*>(saved_h->data) : nullptr,
-                workspace, workspace_bytes, static_cast<cudaStream_t>(cuda_stream));
+    ep_forward(group, x, topk_ids, topk_weights, w_gate_up, w_down, y, saved_h, workspace,
+               workspace_bytes, cuda_stream, nullptr);
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_fp8_workspace_size(const megamoe_ep_group* group,
+                                                         int64_t tokens, int64_t intermediate,
+                                                         size_t* bytes) {
+  return abi_call("megamoe_ep_fp8_workspace_size", [&] {
+    if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
+    check_size_query(tokens, intermediate);
+    *bytes = ep::forward_workspace_bytes(to_group(group, false), tokens, intermediate,
+                                         chain::Precision::kFp8);
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_fp8_forward(
+    const megamoe_ep_group* group, const megamoe_tensor* x, const megamoe_tensor* topk_ids,
+    const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
+    const megamoe_tensor* w_down, const megamoe_tensor* w_gate_up_q,
+    const megamoe_tensor* w_gate_up_scales, const megamoe_tensor* w_down_q,
+    const megamoe_tensor* w_down_scales, megamoe_tensor* y, megamoe_tensor* saved_h,
+    void* workspace, size_t workspace_bytes, void* cuda_stream) {
+  return abi_call("megamoe_ep_fp8_forward", [&] {
+    const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
+    const fused::Fp8Experts fp8 = fused::fp8_forward_weights(s, w_gate_up_q, w_gate_up_scales,
+                                                             w_down_q, w_down_scales);
+    ep_forward(group, x, topk_ids, topk_weights, w_gate_up, w_down, y, saved_h, workspace,
+               workspace_bytes, cuda_stream, &fp8);
     return MEGAMOE_SUCCESS;
   });
 }
@@ -218,49 +325,43 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
     megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down, void* workspace,
     size_t workspace_bytes, void* cuda_stream) {
   return abi_call("megamoe_ep_backward", [&] {
-    const ep::Group g = to_group(group, true);
-    const LayerShape s = check_ep_inputs(g, group, x, topk_ids, topk_weights, w_gate_up, w_down);
-    check_token_rows(dy, "dy", s);
-    check_token_rows(dx, "dx", s);
-    require_dtype(*dy, "dy", {MEGAMOE_DTYPE_BFLOAT16});
-    require_dtype(*dx, "dx", {MEGAMOE_DTYPE_BFLOAT16});
-    for (const auto& [t, name] : {Named{d_topk_weights, "d_topk_weights"},
-                                  Named{d_w_gate_up, "d_w_gate_up"}, Named{d_w_down, "d_w_down"}}) {
-      if (t == nullptr) throw_invalid(std::string(name) + ": required in this version");
-    }
-    require_shape(*d_topk_weights, "d_topk_weights", {{"T", s.T}, {"k", s.k}}, "from topk_ids");
-    require_dtype(*d_topk_weights, "d_topk_weights", {MEGAMOE_DTYPE_FLOAT32});
-    require_shape(*d_w_gate_up, "d_w_gate_up", {{"E", s.E}, {"2I", 2 * s.I}, {"H", s.H}},
-                  "from w_gate_up");
-    require_dtype(*d_w_gate_up, "d_w_gate_up", {MEGAMOE_DTYPE_BFLOAT16, MEGAMOE_DTYPE_FLOAT32});
-    require_shape(*d_w_down, "d_w_down", {{"E", s.E}, {"H", s.H}, {"I", s.I}}, "from w_down");
-    require_dtype(*d_w_down, "d_w_down", {MEGAMOE_DTYPE_BFLOAT16, MEGAMOE_DTYPE_FLOAT32});
-    const std::initializer_list<Named> outputs = {{dx, "dx"}, {d_topk_weights, "d_topk_weights"},
-                                                  {d_w_gate_up, "d_w_gate_up"},
-                                                  {d_w_down, "d_w_down"}};
-    if (saved_h != nullptr) {
-      check_saved_h(*saved_h, g, s);
-      check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"},
-                    {topk_weights, "topk_weights"}, {w_gate_up, "w_gate_up"},
-                    {w_down, "w_down"}, {saved_h, "saved_h"}}, outputs);
-    } else {
-      check_memory({{dy, "dy"}, {x, "x"}, {topk_ids, "topk_ids"},
-                    {topk_weights, "topk_weights"}, {w_gate_up, "w_gate_up"},
-                    {w_down, "w_down"}}, outputs);
-    }
-    const auto grad = [](megamoe_tensor* t) {
-      return chain::WeightGrad::of(t->data, t->dtype == MEGAMOE_DTYPE_FLOAT32);
-    };
-    ep::backward(g, static_cast<const __nv_bfloat16*>(dy->data),
-                 static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
-                 topk_ids->dtype == MEGAMOE_DTYPE_INT64,
-                 static_cast<const float*>(topk_weights->data),
-                 static_cast<const __nv_bfloat16*>(w_gate_up->data),
-                 static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.I,
-                 saved_h != nullptr ? static_cast<const __nv_bfloat16*>(saved_h->data) : nullptr,
-                 static_cast<__nv_bfloat16*>(dx->data), static_cast<float*>(d_topk_weights->data),
-                 grad(d_w_gate_up), grad(d_w_down), workspace, workspace_bytes,
-                 static_cast<cudaStream_t>(cuda_stream));
+    ep_backward(group, dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, dx,
+                d_topk_weights, d_w_gate_up, d_w_down, workspace, workspace_bytes, cuda_stream,
+                nullptr);
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_fp8_backward_workspace_size(
+    const megamoe_ep_group* group, int64_t tokens, int64_t intermediate, int32_t h_saved,
+    int32_t forward_fp8, size_t* bytes) {
+  return abi_call("megamoe_ep_fp8_backward_workspace_size", [&] {
+    if (bytes == nullptr) throw_invalid("bytes: expected a pointer, got NULL");
+    check_size_query(tokens, intermediate);
+    *bytes = ep::backward_workspace_bytes(
+        to_group(group, false), tokens, intermediate, h_saved != 0,
+        forward_fp8 != 0 ? chain::Precision::kFp8 : chain::Precision::kFp8Backward);
+    return MEGAMOE_SUCCESS;
+  });
+}
+
+MEGAMOE_API megamoe_status megamoe_ep_fp8_backward(
+    const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
+    const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
+    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down,
+    const megamoe_tensor* w_gate_up_q, const megamoe_tensor* w_gate_up_q_t,
+    const megamoe_tensor* w_gate_up_scales, const megamoe_tensor* w_down_q_t,
+    const megamoe_tensor* w_down_scales, int32_t forward_fp8, const megamoe_tensor* saved_h,
+    megamoe_tensor* dx, megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up,
+    megamoe_tensor* d_w_down, void* workspace, size_t workspace_bytes, void* cuda_stream) {
+  return abi_call("megamoe_ep_fp8_backward", [&] {
+    const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
+    const fused::Fp8Experts fp8 = fused::fp8_backward_weights(
+        s, forward_fp8 != 0, saved_h != nullptr, w_gate_up_q, w_gate_up_q_t, w_gate_up_scales,
+        w_down_q_t, w_down_scales);
+    ep_backward(group, dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, dx,
+                d_topk_weights, d_w_gate_up, d_w_down, workspace, workspace_bytes, cuda_stream,
+                &fp8);
     return MEGAMOE_SUCCESS;
   });
 }

@@ -26,16 +26,18 @@ void check_call(const Group& g, int64_t T, int64_t I) {
   if (I < 128 || I % 128) throw_invalid("intermediate: expected a positive multiple of 128");
 }
 
-CallWorkspace carve_checked(const Group& g, int64_t T, int64_t I, Pass pass, void* workspace,
-                            size_t workspace_size, const char* size_query) {
+CallWorkspace carve_checked(const Group& g, int64_t T, int64_t I, Pass pass,
+                            chain::Precision precision, void* workspace, size_t workspace_size,
+                            const char* size_query) {
   WorkspaceCarver c(workspace, workspace_size);
-  const CallWorkspace w = carve_call(c, g, T, I, pass);
+  const CallWorkspace w = carve_call(c, g, T, I, pass, precision);
   c.require_fits(size_query);
   return w;
 }
 
 // Steps 1-4: plan, counts, layout, dispatch (x rows; with dy, dy rows too), and the
-// dispatch phase: afterwards this rank's received rows are in place.
+// dispatch phase: afterwards this rank's received rows are in place (and, for the FP8
+// chain, the received tokens' slot rows of this call).
 Call route_and_dispatch(const Group& g, const CallWorkspace& w, const __nv_bfloat16* x,
                         const __nv_bfloat16* dy, const void* topk_ids, bool ids_are_int64,
                         const float* topk_weights, int64_t T, cudaStream_t stream) {
@@ -46,11 +48,13 @@ Call route_and_dispatch(const Group& g, const CallWorkspace& w, const __nv_bfloa
   plan(c, topk_ids, ids_are_int64, stream);
   dispatch(c, x, dy, topk_ids, ids_are_int64, topk_weights, stream);
   comm::phase_barrier(g.peers, comm::Phase::kDispatch, g.timeout_ns, c.error, stream);
+  if (w.fp8_slot_row != nullptr) received_slot_rows(c, w.fp8_slot_row, stream);
   return c;
 }
 
 // The rows this rank computes: the received ones, in the expert-sorted order of the
-// layout, gathered from the received tokens. row_slot: the backward's identity map.
+// layout, gathered from the received tokens (FP8: quantized into them by the slot rows).
+// row_slot: the backward's identity map.
 chain::Rows received_rows(const Call& c, int32_t* row_slot) {
   char* own = c.own();
   chain::Rows r{};
@@ -58,6 +62,8 @@ chain::Rows received_rows(const Call& c, int32_t* row_slot) {
   r.plan.tile_offsets = c.w.recv_tile_offsets;
   r.plan.row_token = at<int32_t>(own, c.buffer.recv_row_token);
   r.plan.row_slot = row_slot;
+  r.plan.slot_row = c.w.fp8_slot_row;
+  r.topk = c.g.topk;
   r.rows = c.g.max_recv_rows;
   r.num_experts = c.e_local;
   r.tokens = c.g.peers.world_size * c.g.max_tokens;
@@ -154,18 +160,20 @@ int overlap_copy_blocks(const Call& c) {
 
 }  // namespace
 
-size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate) {
+size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate,
+                               chain::Precision precision) {
   check_group(g);
   WorkspaceCarver c;
-  carve_call(c, g, tokens, intermediate, Pass::kForward);
+  carve_call(c, g, tokens, intermediate, Pass::kForward, precision);
   return c.bytes();
 }
 
 size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate,
-                                bool h_saved) {
+                                bool h_saved, chain::Precision precision) {
   check_group(g);
   WorkspaceCarver c;
-  carve_call(c, g, tokens, intermediate, h_saved ? Pass::kBackwardSavedH : Pass::kBackward);
+  carve_call(c, g, tokens, intermediate, h_saved ? Pass::kBackwardSavedH : Pass::kBackward,
+             precision);
   return c.bytes();
 }
 
@@ -234,12 +242,26 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
              const __nv_bfloat16* w_down, int64_t T, int64_t I, __nv_bfloat16* y,
              __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
              cudaStream_t stream) {
+  forward(g, x, topk_ids, ids_are_int64, topk_weights,
+          chain::Experts{w_gate_up, w_down, g.hidden, I}, T, y, saved_h, workspace,
+          workspace_size, stream);
+}
+
+void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
+             const float* topk_weights, const chain::Experts& experts, int64_t T,
+             __nv_bfloat16* y, __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
+             cudaStream_t stream) {
+  const int64_t I = experts.intermediate;
   check_call(g, T, I);
-  const CallWorkspace w = carve_checked(g, T, I, Pass::kForward, workspace, workspace_size,
-                                        "megamoe_ep_workspace_size");
-  const chain::Experts experts{w_gate_up, w_down, g.hidden, I};
+  if (experts.hidden != g.hidden) throw_invalid("EP forward: the experts' H is not the group's");
+  const CallWorkspace w =
+      carve_checked(g, T, I, Pass::kForward, experts.precision, workspace, workspace_size,
+                    experts.fp8_forward() ? "megamoe_ep_fp8_workspace_size"
+                                          : "megamoe_ep_workspace_size");
+  // The overlapped paths run the bf16 GEMMs: an FP8 forward takes the default one.
+  const bool bf16 = !experts.fp8_forward();
   // Saved h must sit in the default layout's rows, where the backward reads it.
-  if (g.overlap_dispatch && saved_h == nullptr) {
+  if (bf16 && g.overlap_dispatch && saved_h == nullptr) {
     const Call c = overlapped_chain(g, w, x, topk_ids, ids_are_int64, topk_weights, experts, T,
                                     g.epilogue_combine, stream);
     if (g.epilogue_combine) {
@@ -256,7 +278,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   const Call c =
       route_and_dispatch(g, w, x, nullptr, topk_ids, ids_are_int64, topk_weights, T, stream);
   const chain::Rows rows = received_rows(c, nullptr);
-  if (g.epilogue_combine) {
+  if (bf16 && g.epilogue_combine) {
     // L2's epilogue stores every row into its source's slot and counts it there; each rank
     // reduces its tokens as their slots complete (no combine send, no combine phase).
     const sm90::PeerRowsOut to_peers = l2_to_peers(c);
@@ -277,25 +299,40 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
               const __nv_bfloat16* saved_h, __nv_bfloat16* dx, float* d_topk_weights,
               chain::WeightGrad d_w_gate_up, chain::WeightGrad d_w_down, void* workspace,
               size_t workspace_size, cudaStream_t stream) {
+  backward(g, dy, x, topk_ids, ids_are_int64, topk_weights,
+           chain::Experts{w_gate_up, w_down, g.hidden, I}, T, saved_h, dx, d_topk_weights,
+           d_w_gate_up, d_w_down, workspace, workspace_size, stream);
+}
+
+void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
+              const void* topk_ids, bool ids_are_int64, const float* topk_weights,
+              const chain::Experts& experts, int64_t T, const __nv_bfloat16* saved_h,
+              __nv_bfloat16* dx, float* d_topk_weights, chain::WeightGrad d_w_gate_up,
+              chain::WeightGrad d_w_down, void* workspace, size_t workspace_size,
+              cudaStream_t stream) {
+  const int64_t I = experts.intermediate;
   check_call(g, T, I);
+  if (experts.hidden != g.hidden) throw_invalid("EP backward: the experts' H is not the group's");
   if (!dy || !dx || !d_topk_weights || !d_w_gate_up.wanted() || !d_w_down.wanted()) {
     throw_invalid("EP backward: dy and every gradient are required in this version");
   }
-  const CallWorkspace w =
-      carve_checked(g, T, I, saved_h != nullptr ? Pass::kBackwardSavedH : Pass::kBackward,
-                    workspace, workspace_size, "megamoe_ep_backward_workspace_size");
+  const CallWorkspace w = carve_checked(
+      g, T, I, saved_h != nullptr ? Pass::kBackwardSavedH : Pass::kBackward, experts.precision,
+      workspace, workspace_size,
+      experts.fp8_backward() ? "megamoe_ep_fp8_backward_workspace_size"
+                             : "megamoe_ep_backward_workspace_size");
   const Call c =
       route_and_dispatch(g, w, x, dy, topk_ids, ids_are_int64, topk_weights, T, stream);
   const int64_t H = g.hidden, R = g.max_recv_rows;
   fill_identity(c, w.identity, R, stream);
   const chain::Rows rows = received_rows(c, w.identity);
-  const chain::Experts experts{w_gate_up, w_down, H, I};
   const chain::BackwardBuffers& b = w.backward;
-  chain::backward_dgrad(rows, experts, saved_h, b, true, stream);
+  const chain::DgradDone done = chain::backward_dgrad(rows, experts, saved_h, b, true, stream,
+                                                      /*d_w_gate_up_wanted=*/true);
   reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
   combine_send(c, b.token_rows, nullptr, w.dp_rows, stream);
   // The weight gradients stay here: they run while the peers finish.
-  chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream);
+  chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
   combine_phase(c, stream);
 
   final_combine(c, dx, d_topk_weights, stream);

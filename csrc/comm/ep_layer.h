@@ -14,7 +14,8 @@
 //      ranks that moves 4x fewer bytes): the x row (backward: and the dy row) into the
 //      source's section of the owner's received tokens, with, per slot there, its owner
 //      row, router weight and token; signal;
-//   5. the expert chain on the received rows (A gathered from the received tokens);
+//   5. the expert chain on the received rows (A gathered from the received tokens; in FP8
+//      each received token quantized once into its rows, by this call's slot rows);
 //   6. combine send: per received token, its rows' results summed in fp32 over its slots
 //      (forward: weighted), rounded to bf16 once, into the source's combine area at [this
 //      rank, token]; the backward also sends each slot's d topk_weights; signal;
@@ -52,11 +53,14 @@
 
 namespace megamoe::ep {
 
-// Device workspace of one call (caller-allocated, no initialisation).
-size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate);
+// Device workspace of one call (caller-allocated, no initialisation) at `precision` (the
+// experts' of the call).
+size_t forward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate,
+                               chain::Precision precision = chain::Precision::kBf16);
 // h_saved: the backward takes the forward's saved h instead of recomputing L1.
 size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermediate,
-                                bool h_saved);
+                                bool h_saved,
+                                chain::Precision precision = chain::Precision::kBf16);
 
 // x [T, H] bf16, topk_ids [T, k] int32/int64 global ids in [-1, E), topk_weights [T, k]
 // fp32, w_gate_up [E_local, 2I, H], w_down [E_local, H, I] bf16; y [T, H] bf16. saved_h:
@@ -67,6 +71,15 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
              const float* topk_weights, const __nv_bfloat16* w_gate_up,
              const __nv_bfloat16* w_down, int64_t T, int64_t I, __nv_bfloat16* y,
              __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
+             cudaStream_t stream);
+// The same with the experts' weights at their precision (experts.hidden must be the
+// group's): blockwise FP8 (kFp8: the forward's GEMMs in FP8, with the weights' FP8 copies)
+// runs the chain's FP8 GEMMs on the received rows, each received token quantized once into
+// its rows here (the dispatch moves bf16 rows), and always the default path (neither the
+// epilogue combine nor the overlapped dispatch, which are bf16 only).
+void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
+             const float* topk_weights, const chain::Experts& experts, int64_t T,
+             __nv_bfloat16* y, __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,
              cudaStream_t stream);
 
 // The second stream of the overlapped forward (Group::overlap_dispatch) of g's rank on the
@@ -89,5 +102,15 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
               const __nv_bfloat16* saved_h, __nv_bfloat16* dx, float* d_topk_weights,
               chain::WeightGrad d_w_gate_up, chain::WeightGrad d_w_down, void* workspace,
               size_t workspace_size, cudaStream_t stream);
+// The same with the experts' weights at their precision: kFp8 and kFp8Backward run the
+// backward's GEMMs in FP8 (kFp8 recomputes L1 in FP8 without saved h), on the owner,
+// with the weight gradients' operands quantized per 128 tokens from the dispatched bf16
+// rows, as on one GPU.
+void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
+              const void* topk_ids, bool ids_are_int64, const float* topk_weights,
+              const chain::Experts& experts, int64_t T, const __nv_bfloat16* saved_h,
+              __nv_bfloat16* dx, float* d_topk_weights, chain::WeightGrad d_w_gate_up,
+              chain::WeightGrad d_w_down, void* workspace, size_t workspace_size,
+              cudaStream_t stream);
 
 }  // namespace megamoe::ep

@@ -64,10 +64,12 @@ BufferLayout buffer_layout(const Group& g) {
   return b;
 }
 
-CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t I, Pass pass) {
+CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t I, Pass pass,
+                         chain::Precision precision) {
   CallWorkspace w{};
   const int64_t E = g.num_experts, W = g.peers.world_size, R = g.max_recv_rows;
   const int64_t e_local = E / W;
+  const int64_t received_tokens = W * g.max_tokens;  // rows of recv_x
   w.local = carve_routing_plan(c, T * g.topk, E);
   w.recv_expert_offsets = c.take<int32_t>(e_local + 1);
   w.recv_tile_offsets = c.take<int32_t>(e_local + 1);
@@ -76,8 +78,10 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
   w.token_pos = c.take<int32_t>(T * W);
   w.token_count = c.take<int32_t>(comm::kMaxRanks);
   w.block_counts = c.take<int32_t>((T + kPlanThreads - 1) / kPlanThreads * W);
+  const bool fp8_rows = pass == Pass::kForward ? precision == chain::Precision::kFp8
+                                               : precision != chain::Precision::kBf16;
   if (pass == Pass::kForward) {
-    w.forward = chain::carve_forward(c, R, R, g.hidden, I);
+    w.forward = chain::carve_forward(c, R, received_tokens, g.hidden, I, precision);
     if (g.overlap_dispatch) {
       w.own_expert_offsets = c.take<int32_t>(e_local + 1);
       w.own_tile_offsets = c.take<int32_t>(e_local + 1);
@@ -88,9 +92,10 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
   } else {
     w.identity = c.take<int32_t>(R);
     w.dp_rows = c.take<float>(R);
-    w.backward =
-        chain::carve_backward(c, R, R, e_local, g.hidden, I, pass == Pass::kBackwardSavedH);
+    w.backward = chain::carve_backward(c, R, received_tokens, e_local, g.hidden, I,
+                                       pass == Pass::kBackwardSavedH, precision);
   }
+  if (fp8_rows) w.fp8_slot_row = c.take<int32_t>(received_tokens * g.topk);
   return w;
 }
 

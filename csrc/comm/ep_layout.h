@@ -99,10 +99,15 @@ struct CallWorkspace {
   int32_t* identity;
   float* dp_rows;
   chain::BackwardBuffers backward;
+  // FP8 (a pass whose GEMMs quantize x or dy into the sorted rows): [W * max_tokens, k] the
+  // received tokens' slot rows of this call (recv_slot_row, -1 past each source's count),
+  // by which the chain writes each received token's e4m3 row to its rows.
+  int32_t* fp8_slot_row;
 };
-// For T tokens on this rank and intermediate size I; the size query carves with a
-// counting carver.
-CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t I, Pass pass);
+// For T tokens on this rank, intermediate size I and the call's precision (kFp8Backward's
+// forward is the bf16 one); the size query carves with a counting carver.
+CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t I, Pass pass,
+                         chain::Precision precision = chain::Precision::kBf16);
 
 // What the phases of one call share.
 struct Call {

@@ -33,6 +33,11 @@ void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
               cudaStream_t stream, DispatchPart part = DispatchPart::kAll, int blocks = 0);
 
+// After the dispatch phase: out [W * max_tokens, k] = this call's recv_slot_row, -1 for the
+// entries past each source's token count (whose recv_slot_row is a former call's) and for
+// a skipped call. The FP8 chain writes each received token's e4m3 row by it.
+void received_slot_rows(const Call& c, int32_t* out, cudaStream_t stream);
+
 // ep_combine.cu, step 6: per received token, its rows of `rows` (this rank's results in
 // received-row order) summed over its slots in slot order in fp32, weighted by
 // row_weights (null: 1), rounded once to bf16, into its source's combine area; with

@@ -349,6 +349,49 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
     megamoe_tensor* d_w_gate_up, megamoe_tensor* d_w_down, void* workspace,
     size_t workspace_bytes, void* cuda_stream);
 
+/* Blockwise FP8 with expert parallelism: the megamoe_ep_* calls with the expert GEMMs of
+ * megamoe_fused_fp8_* (docs/fp8.md), the same group, buffer, inputs, outputs and contracts
+ * (collective, no host sync, capturable, bitwise reproducible run to run). The FP8 copies
+ * are those of this rank's experts, as megamoe_quantize_fp8_128x128 writes them:
+ * w_gate_up_q [E/W, 2I, H], w_gate_up_q_t [E/W, H, 2I], w_gate_up_scales
+ * [E/W, 2I/128, H/128]; w_down_q [E/W, H, I], w_down_q_t [E/W, I, H], w_down_scales
+ * [E/W, H/128, I/128]. The dispatch moves the tokens' bf16 rows (the backward's weight
+ * gradients quantize their operands per 128 tokens from them); each owner quantizes a
+ * received token once into its rows there. d_topk_weights and the weight gradients are
+ * bitwise equal to megamoe_fused_fp8_backward's on the same global problem; y and dx differ
+ * from megamoe_fused_fp8_* by the owners' bf16 partial sums, as in bf16. The forward runs the
+ * default path whatever MEGAMOE_EP_EPILOGUE_COMBINE and MEGAMOE_EP_OVERLAP_DISPATCH say. */
+MEGAMOE_API megamoe_status megamoe_ep_fp8_workspace_size(const megamoe_ep_group* group,
+                                                         int64_t tokens, int64_t intermediate,
+                                                         size_t* bytes);
+
+/* precision "fp8": the forward's GEMMs in FP8; the rest as megamoe_ep_forward. */
+MEGAMOE_API megamoe_status megamoe_ep_fp8_forward(
+    const megamoe_ep_group* group, const megamoe_tensor* x, const megamoe_tensor* topk_ids,
+    const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
+    const megamoe_tensor* w_down, const megamoe_tensor* w_gate_up_q,
+    const megamoe_tensor* w_gate_up_scales, const megamoe_tensor* w_down_q,
+    const megamoe_tensor* w_down_scales, megamoe_tensor* y, megamoe_tensor* saved_h,
+    void* workspace, size_t workspace_bytes, void* cuda_stream);
+
+/* forward_fp8 as in megamoe_fused_fp8_backward_workspace_size. */
+MEGAMOE_API megamoe_status megamoe_ep_fp8_backward_workspace_size(
+    const megamoe_ep_group* group, int64_t tokens, int64_t intermediate, int32_t h_saved,
+    int32_t forward_fp8, size_t* bytes);
+
+/* The backward's GEMMs in FP8 (precisions "fp8" and "fp8_bwd"; forward_fp8 as in
+ * megamoe_fused_fp8_backward: w_gate_up_q is read to recompute L1 in FP8 when it is nonzero
+ * and saved_h is NULL); the rest as megamoe_ep_backward. */
+MEGAMOE_API megamoe_status megamoe_ep_fp8_backward(
+    const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
+    const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
+    const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down,
+    const megamoe_tensor* w_gate_up_q, const megamoe_tensor* w_gate_up_q_t,
+    const megamoe_tensor* w_gate_up_scales, const megamoe_tensor* w_down_q_t,
+    const megamoe_tensor* w_down_scales, int32_t forward_fp8, const megamoe_tensor* saved_h,
+    megamoe_tensor* dx, megamoe_tensor* d_topk_weights, megamoe_tensor* d_w_gate_up,
+    megamoe_tensor* d_w_down, void* workspace, size_t workspace_bytes, void* cuda_stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -119,6 +119,12 @@ SIGNATURES = {
     "megamoe_ep_describe_error": (_STATUS, [_I32, ctypes.c_char_p, ctypes.c_size_t]),
     "megamoe_ep_forward": (_STATUS, [_GROUP] + [_TENSOR] * 7 + _TAIL),
     "megamoe_ep_backward": (_STATUS, [_GROUP] + [_TENSOR] * 11 + _TAIL),
+    "megamoe_ep_fp8_workspace_size": (_STATUS, [_GROUP, _I64, _I64, _SIZE_OUT]),
+    "megamoe_ep_fp8_forward": (_STATUS, [_GROUP] + [_TENSOR] * 11 + _TAIL),
+    "megamoe_ep_fp8_backward_workspace_size": (_STATUS, [_GROUP, _I64, _I64, _I32, _I32,
+                                                         _SIZE_OUT]),
+    "megamoe_ep_fp8_backward": (_STATUS, [_GROUP] + [_TENSOR] * 11 + [_I32] + [_TENSOR] * 5
+                                + _TAIL),
     "megamoe_quantize_fp8_1x128": (_STATUS, [_TENSOR] * 3 + [ctypes.c_void_p]),
     "megamoe_quantize_fp8_128x128": (_STATUS, [_TENSOR] * 4 + [ctypes.c_void_p]),
     "megamoe_quantize_fp8_cols_128": (_STATUS, [_TENSOR] * 3 + [ctypes.c_void_p]),

@@ -8,7 +8,7 @@ from . import _validate, torch_backend
 from ._ep_op import fused_ep_moe
 from ._fused_op import BACKWARD_MODES, fused_moe
 from ._reference_op import reference_moe
-from .errors import MegaMoEError, NotBuiltError
+from .errors import MegaMoEError
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -67,11 +67,8 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if backend == "reference":
         return reference_moe(x, topk_ids, topk_weights, w_gate_up, w_down)
     if backend == "fused" and buffer is not None:
-        if precision != "bf16":
-            raise NotBuiltError(f"precision={precision!r} with expert parallelism (a Buffer) is "
-                                "not built yet; the one-GPU fused layer runs it")
         return fused_ep_moe(x, topk_ids, topk_weights, w_gate_up, w_down, buffer, backward_mode,
-                            weight_grad_accumulators)
+                            weight_grad_accumulators, precision)
     if backend == "fused":
         return fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, backward_mode,
                          weight_grad_accumulators, precision)

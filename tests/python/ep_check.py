@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/python/ep_check.py [--backend torch] [--cpu]
     torchrun --nproc-per-node 2 tests/python/ep_check.py --backend fused [--graph] [--repeats 2000]
+    torchrun --nproc-per-node 2 tests/python/ep_check.py --backend fused --precision fp8
 
 Every rank draws the same global problem; rank r takes tokens [r*T, (r+1)*T) and experts
 [r*E/W, (r+1)*E/W). The EP=W result, gathered, is compared with EP=1 on the whole problem
@@ -26,6 +27,7 @@ from moe_testing import make_problem, rel_err, run_with_grads  # noqa: E402
 
 NAMES = ("x", "topk_weights", "w_gate_up", "w_down")
 TOLERANCE = 1e-2          # against the float64 reference
+FP8_TOLERANCE = 1e-1      # the FP8 precisions against it: e4m3's floor (docs/fp8.md)
 EP_VS_EP1_TOLERANCE = 5e-3
 
 
@@ -95,11 +97,12 @@ def run_case(case, rank, world, group, backend, seed, device):
     return result
 
 
-def _fused_step(mine, group, buf):
-    return run_with_grads(megamoe.moe, mine, group=group, buffer=buf, backend="fused")
+def _fused_step(mine, group, buf, precision):
+    return run_with_grads(megamoe.moe, mine, group=group, buffer=buf, backend="fused",
+                          precision=precision)
 
 
-def _graph_replay_matches_eager(mine, group, buf, eager):
+def _graph_replay_matches_eager(mine, group, buf, eager, precision):
     """Captures forward + backward in one CUDA graph, replays it twice and compares y and the
     gradients with the eager call's, bit for bit."""
     leaves = {n: mine[n].detach().clone().requires_grad_(True) for n in NAMES}
@@ -109,7 +112,8 @@ def _graph_replay_matches_eager(mine, group, buf, eager):
         for leaf in leaves.values():
             leaf.grad = None
         y = megamoe.moe(args["x"], args["topk_ids"], args["topk_weights"], args["w_gate_up"],
-                        args["w_down"], group=group, buffer=buf, backend="fused")
+                        args["w_down"], group=group, buffer=buf, backend="fused",
+                        precision=precision)
         y.backward(mine["dy"])
         return y
 
@@ -130,24 +134,26 @@ def _graph_replay_matches_eager(mine, group, buf, eager):
     return same
 
 
-def _saved_mode_matches(mine, group, buf, first):
+def _saved_mode_matches(mine, group, buf, first, precision):
     """backward_mode="saved" with fp32 weight-gradient accumulators: y, dx and d topk_weights
     bit for bit those of the recompute mode, the fp32 weight gradients within their bf16
     rounding (2^-9 relative) of its bf16 ones."""
     accs = tuple(torch.zeros(mine[n].shape, dtype=torch.float32, device=mine[n].device)
                  for n in ("w_gate_up", "w_down"))
     y, grads = run_with_grads(megamoe.moe, mine, group=group, buffer=buf, backend="fused",
-                              backward_mode="saved", weight_grad_accumulators=accs)
+                              backward_mode="saved", weight_grad_accumulators=accs,
+                              precision=precision)
     return (torch.equal(y, first[0]) and torch.equal(grads["x"], first[1]["x"]) and
             torch.equal(grads["topk_weights"], first[1]["topk_weights"]) and
             grads["w_gate_up"] is None and grads["w_down"] is None and
             all(rel_err(acc, first[1][n]) < 2e-3 for acc, n in zip(accs, ("w_gate_up", "w_down"))))
 
 
-def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
-    """backend="fused" over a megamoe.Buffer, forward and backward: EP=W gathered must match
-    the one-GPU fused layer (d topk_weights and the weight gradients bit for bit, y and dx
-    within EP_VS_EP1_TOLERANCE) and the float64 reference; each rank's outputs must be
+def run_case_fused(case, rank, world, group, seed, device, repeats, graph, precision="bf16"):
+    """backend="fused" over a megamoe.Buffer at `precision`, forward and backward: EP=W
+    gathered must match the one-GPU fused layer at that precision (d topk_weights and the
+    weight gradients bit for bit, y and dx within EP_VS_EP1_TOLERANCE) and the float64
+    reference (FP8: within FP8_TOLERANCE); each rank's outputs must be
     the same on every one of `repeats` back-to-back calls on the same buffer, in saved mode
     with fp32 accumulators (_saved_mode_matches), and, with `graph`, from a CUDA-graph replay
     of forward + backward."""
@@ -156,16 +162,16 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
                      **extra)
     mine = local_slice(p, rank, world, T, E)
     buf = megamoe.Buffer(group, T, H, I, E, k)
-    first = _fused_step(mine, group, buf)
+    first = _fused_step(mine, group, buf, precision)
     same = True
     for i in range(1, repeats):
-        y, grads = _fused_step(mine, group, buf)
+        y, grads = _fused_step(mine, group, buf, precision)
         same = same and torch.equal(y, first[0]) and all(
             torch.equal(grads[n], first[1][n]) for n in NAMES)
         if repeats >= 100 and rank == 0 and (i + 1) % 500 == 0:
             print(f"  {name}: {i + 1}/{repeats} calls", flush=True)
-    graph_same = _graph_replay_matches_eager(mine, group, buf, first) if graph else None
-    saved_same = _saved_mode_matches(mine, group, buf, first)
+    graph_same = _graph_replay_matches_eager(mine, group, buf, first, precision) if graph else None
+    saved_same = _saved_mode_matches(mine, group, buf, first, precision)
     torch.cuda.synchronize()
     buf.check()
     buf.close()
@@ -174,12 +180,12 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
     flags = torch.tensor([same, graph_same is not False, saved_same], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     result = {"case": name, "tokens_per_rank": T, "ep": world, "backend": "fused",
-              "calls": repeats, "same_every_call": bool(flags[0])}
+              "precision": precision, "calls": repeats, "same_every_call": bool(flags[0])}
     if graph:
         result["graph_replay_equals_eager"] = bool(flags[1])
     result["saved_mode_and_fp32_accumulators_match"] = bool(flags[2])
     if rank == 0:
-        y1, grads1 = run_with_grads(megamoe.moe, p, backend="fused")
+        y1, grads1 = run_with_grads(megamoe.moe, p, backend="fused", precision=precision)
         ep1 = {"y": y1, **grads1}
         ref = float64_reference(p)
         for n in ref:
@@ -188,8 +194,9 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph):
             result[f"{n}_ep_bitwise_ep1"] = bool(torch.equal(out[n], ep1[n]))
         # y and dx add one bf16 rounding per owner rank (its partial sum); the per-slot and
         # per-expert gradients take the one-GPU path exactly.
+        tolerance = TOLERANCE if precision == "bf16" else FP8_TOLERANCE
         result["ok"] = bool(flags.all()) and all(
-            result[f"{n}_ep_vs_ref"] < TOLERANCE and
+            result[f"{n}_ep_vs_ref"] < tolerance and
             (result[f"{n}_ep_vs_ep1"] < EP_VS_EP1_TOLERANCE if n in ("y", "x")
              else result[f"{n}_ep_bitwise_ep1"]) for n in ref)
     return result
@@ -205,6 +212,8 @@ def main():
                              "(default 3; 2000 for the stress run)")
     parser.add_argument("--graph", action="store_true",
                         help="fused: also a CUDA-graph replay of forward + backward per case")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8_bwd"),
+                        help="fused: the layer's precision (default bf16)")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.cpu:
@@ -226,7 +235,7 @@ def main():
     for i, case in enumerate(cases(world, not args.cpu)):
         if args.backend == "fused":
             result = run_case_fused(case, rank, world, group, 1000 + i, device, args.repeats,
-                                    args.graph)
+                                    args.graph, args.precision)
         else:
             result = run_case(case, rank, world, group, args.backend, 1000 + i, device)
         if rank == 0:

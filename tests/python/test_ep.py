@@ -1,5 +1,6 @@
 """Runs ep_check.py under torchrun: float32 over gloo on the CPU always, bf16 over NCCL
-when this machine has two or more GPUs."""
+when this machine has two or more GPUs; and ep_one_rank_check.py (the fused EP ops at every
+precision on a one-rank group) on one GPU."""
 
 import os
 import subprocess
@@ -30,3 +31,16 @@ def test_torch_backend_ep2_matches_ep1_on_cpu():
                     reason="needs two or more CUDA GPUs")
 def test_torch_backend_ep2_matches_ep1_on_gpus():
     _run_ep_check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_ep_ops_on_one_rank_match_the_one_gpu_layer():
+    # Every precision through the EP ops on a one-rank group (ep_one_rank_check.py).
+    script = Path(__file__).with_name("ep_one_rank_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--standalone", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    print(proc.stdout[-20000:])
+    print(proc.stderr[-5000:], file=sys.stderr)
+    assert proc.returncode == 0 and "EP one-rank check: PASSED" in proc.stdout

@@ -1,0 +1,228 @@
+// Blockwise FP8 through the expert-parallel layer, with the ranks emulated on GPU 0 (as in
+// test_ep_emulated.cpp; skipped without a GPU): precisions "fp8" and "fp8_bwd", forward and
+// both backward modes, against the one-GPU FP8 layer (megamoe_fused_fp8_*) on the same
+// global problem: d topk_weights and the weight gradients bitwise, y and dx within one bf16
+// rounding per owner (kEpVsOneGpu), and a second call on the same buffers bitwise equal to
+// the first. Each rank's FP8 weight copies are its experts' part of what the quantizer
+// makes of the global weights (128 x 128 blocks never cross experts).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ep_layer_test_util.h"
+#include "gpu_test_util.h"
+
+namespace {
+
+using megamoe::chain::Precision;
+using megamoe::chain::WeightGrad;
+using megamoe_test::Routing;
+
+// An FP8 weight copy on GPU 0 (values, values^T, scales) of w [E, N, K] bf16.
+struct Fp8Copy {
+  void *q = nullptr, *q_t = nullptr, *scales = nullptr;
+};
+
+// Parameters: the emulated world size; the forward in FP8 ("fp8") or bf16 ("fp8_bwd").
+class EpFp8Emulated : public megamoe_test::EpLayerTest,
+                      public ::testing::WithParamInterface<std::tuple<int, bool>> {
+ protected:
+  void SetUp() override { emulate(std::get<0>(GetParam())); }
+  bool forward_fp8() const { return std::get<1>(GetParam()); }
+  Precision precision() const { return forward_fp8() ? Precision::kFp8 : Precision::kFp8Backward; }
+
+  Fp8Copy quantize(const void* w, int64_t E, int64_t N, int64_t K) {
+    Fp8Copy c{alloc_on(0, E * N * K), alloc_on(0, E * N * K), alloc_on(0, E * N / 128 * K / 128 * 4)};
+    megamoe_tensor tw = megamoe_test::dense_tensor(const_cast<void*>(w), MEGAMOE_DTYPE_BFLOAT16, {E, N, K});
+    megamoe_tensor tq = megamoe_test::dense_tensor(c.q, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, N, K});
+    megamoe_tensor tt = megamoe_test::dense_tensor(c.q_t, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, K, N});
+    megamoe_tensor ts = megamoe_test::dense_tensor(c.scales, MEGAMOE_DTYPE_FLOAT32, {E, N / 128, K / 128});
+    EXPECT_EQ(megamoe_quantize_fp8_128x128(&tw, &tq, &tt, &ts, nullptr), MEGAMOE_SUCCESS)
+        << megamoe_last_error();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return c;
+  }
+
+  // The experts of rank r (its bf16 weights and their FP8 copies) at this test's precision.
+  megamoe::chain::Experts rank_experts(int r) {
+    const Fp8Copy& g = gate_up_[r];
+    const Fp8Copy& d = down_[r];
+    megamoe::chain::Experts x{ranks_[r].w1, ranks_[r].w2, H(), I()};
+    x.precision = precision();
+    x.fp8_gate_up = {static_cast<const __nv_fp8_e4m3*>(g.q), static_cast<const __nv_fp8_e4m3*>(g.q_t),
+                     static_cast<const float*>(g.scales)};
+    x.fp8_down = {static_cast<const __nv_fp8_e4m3*>(d.q), static_cast<const __nv_fp8_e4m3*>(d.q_t),
+                  static_cast<const float*>(d.scales)};
+    return x;
+  }
+
+  // The one-GPU FP8 layer on the whole problem: forward, backward in recompute mode with
+  // bf16 weight gradients.
+  SingleRank one_gpu_fp8() {
+    SingleRank out;
+    const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
+    EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
+    using megamoe_test::dense_tensor;
+    void* w1 = upload_on(0, w1_);
+    void* w2 = upload_on(0, w2_);
+    const Fp8Copy g = quantize(w1, E, 2 * I, H), d = quantize(w2, E, H, I);
+    megamoe_tensor gx = dense_tensor(upload_on(0, x_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
+    megamoe_tensor gids = dense_tensor(upload_on(0, ids_), MEGAMOE_DTYPE_INT32, {T, k});
+    megamoe_tensor gp = dense_tensor(upload_on(0, weights_), MEGAMOE_DTYPE_FLOAT32, {T, k});
+    megamoe_tensor gw1 = dense_tensor(w1, MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
+    megamoe_tensor gw2 = dense_tensor(w2, MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
+    megamoe_tensor q1 = dense_tensor(g.q, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, 2 * I, H});
+    megamoe_tensor t1 = dense_tensor(g.q_t, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, H, 2 * I});
+    megamoe_tensor s1 = dense_tensor(g.scales, MEGAMOE_DTYPE_FLOAT32, {E, 2 * I / 128, H / 128});
+    megamoe_tensor q2 = dense_tensor(d.q, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, H, I});
+    megamoe_tensor t2 = dense_tensor(d.q_t, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, I, H});
+    megamoe_tensor s2 = dense_tensor(d.scales, MEGAMOE_DTYPE_FLOAT32, {E, H / 128, I / 128});
+    megamoe_tensor gy = dense_tensor(alloc_on(0, T * H * 2), MEGAMOE_DTYPE_BFLOAT16, {T, H});
+    size_t bytes = 0;
+    if (forward_fp8()) {
+      EXPECT_EQ(megamoe_fused_fp8_workspace_size(T, k, H, I, E, &bytes), MEGAMOE_SUCCESS);
+      EXPECT_EQ(megamoe_fused_fp8_forward(&gx, &gids, &gp, &gw1, &gw2, &q1, &s1, &q2, &s2, &gy,
+                                          nullptr, alloc_on(0, bytes), bytes, nullptr),
+                MEGAMOE_SUCCESS)
+          << megamoe_last_error();
+    } else {
+      EXPECT_EQ(megamoe_fused_workspace_size(T, k, H, I, E, &bytes), MEGAMOE_SUCCESS);
+      EXPECT_EQ(megamoe_fused_forward(&gx, &gids, &gp, &gw1, &gw2, &gy, nullptr,
+                                      alloc_on(0, bytes), bytes, nullptr),
+                MEGAMOE_SUCCESS)
+          << megamoe_last_error();
+    }
+    megamoe_tensor gdy = dense_tensor(upload_on(0, dy_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
+    megamoe_tensor gdx = dense_tensor(alloc_on(0, T * H * 2), MEGAMOE_DTYPE_BFLOAT16, {T, H});
+    megamoe_tensor gdp = dense_tensor(alloc_on(0, T * k * 4), MEGAMOE_DTYPE_FLOAT32, {T, k});
+    megamoe_tensor gd1 = dense_tensor(alloc_on(0, E * 2 * I * H * 2), MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
+    megamoe_tensor gd2 = dense_tensor(alloc_on(0, E * H * I * 2), MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
+    EXPECT_EQ(megamoe_fused_fp8_backward_workspace_size(T, k, H, I, E, 0, forward_fp8(), &bytes),
+              MEGAMOE_SUCCESS);
+    EXPECT_EQ(megamoe_fused_fp8_backward(&gdy, &gx, &gids, &gp, &gw1, &gw2, &q1, &t1, &s1, &t2, &s2,
+                                         forward_fp8(), nullptr, &gdx, &gdp, &gd1, &gd2,
+                                         alloc_on(0, bytes), bytes, nullptr),
+              MEGAMOE_SUCCESS)
+        << megamoe_last_error();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    out.y = download<uint16_t>(gy.data, T * H);
+    out.dx = download<uint16_t>(gdx.data, T * H);
+    out.dp = download<float>(gdp.data, T * k);
+    out.dw1 = download<uint16_t>(gd1.data, E * 2 * I * H);
+    out.dw2 = download<uint16_t>(gd2.data, E * H * I);
+    return out;
+  }
+
+  // The EP layer at this precision against one_gpu_fp8() (the header comment lists what).
+  void check_fp8(int64_t tokens, int64_t H, int64_t I, int64_t E, int64_t k, Routing routing,
+                 double p_none, uint64_t seed) {
+    SEEDED(seed);
+    const int W = world_;
+    prepare(tokens, H, I, E, k, routing, p_none, tokens * k * W, seed);
+    if (HasFatalFailure()) return;
+    const SingleRank fused = one_gpu_fp8();
+    const int64_t e = e_local_;
+    gate_up_.clear();
+    down_.clear();
+    for (int r = 0; r < W; ++r) {
+      gate_up_.push_back(quantize(ranks_[r].w1, e, 2 * I, H));
+      down_.push_back(quantize(ranks_[r].w2, e, H, I));
+    }
+    // FP8 workspaces (the bf16 ones prepare() made may be smaller).
+    std::vector<void*> fwd_ws(W), bwd_ws(W);
+    std::vector<size_t> fwd_bytes(W), bwd_bytes(W);
+    for (int r = 0; r < W; ++r) {
+      fwd_bytes[r] = megamoe::ep::forward_workspace_bytes(ranks_[r].g, tokens, I, precision());
+      bwd_bytes[r] = megamoe::ep::backward_workspace_bytes(ranks_[r].g, tokens, I, false, precision());
+      EXPECT_LE(megamoe::ep::backward_workspace_bytes(ranks_[r].g, tokens, I, true, precision()),
+                bwd_bytes[r]);
+      fwd_ws[r] = alloc_on(device_of(r), fwd_bytes[r]);
+      bwd_ws[r] = alloc_on(device_of(r), bwd_bytes[r]);
+    }
+    const auto forward = [&](bool keep_h) {
+      for (int r = 0; r < W; ++r) {
+        const OnRank on = on_rank(r);
+        Rank& rk = ranks_[r];
+        EXPECT_EQ(cudaMemsetAsync(rk.y, 0xFF, tokens * H * 2, streams_[r]), cudaSuccess);
+        megamoe::ep::forward(rk.g, rk.x, rk.ids, false, rk.weights, rank_experts(r), tokens,
+                             rk.y, keep_h ? rk.saved_h : nullptr, fwd_ws[r], fwd_bytes[r],
+                             streams_[r]);
+      }
+      sync_ranks();
+      expect_no_errors("forward");
+      return gather<uint16_t>(&Rank::y, tokens * H);
+    };
+    const auto backward = [&](bool saved) {
+      for (int r = 0; r < W; ++r) {
+        const OnRank on = on_rank(r);
+        Rank& rk = ranks_[r];
+        EXPECT_EQ(cudaMemsetAsync(rk.dx, 0xFF, tokens * H * 2, streams_[r]), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(rk.dp, 0xFF, tokens * k * 4, streams_[r]), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(rk.dw2, 0xFF, e * H * I * 2, streams_[r]), cudaSuccess);
+        megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rank_experts(r), tokens,
+                              saved ? rk.saved_h : nullptr, rk.dx, rk.dp, WeightGrad::of(rk.dw1, false),
+                              WeightGrad::of(rk.dw2, false), bwd_ws[r], bwd_bytes[r], streams_[r]);
+      }
+      sync_ranks();
+      expect_no_errors(saved ? "backward (saved)" : "backward");
+    };
+
+    const std::vector<uint16_t> y = forward(false);
+    const double y_err = megamoe_test::rel_error(megamoe_test::decode(y), megamoe_test::decode(fused.y));
+    std::printf("EP=%d (emulated) %s T/rank=%ld H=%ld I=%ld E=%ld k=%ld: y vs one GPU %.3e\n", W,
+                forward_fp8() ? "fp8" : "fp8_bwd", long(tokens), long(H), long(I), long(E), long(k),
+                y_err);
+    EXPECT_LT(y_err, megamoe_test::kEpVsOneGpu);
+    EXPECT_EQ(forward(false), y) << "a second forward on the same buffers differs from the first";
+
+    for (const bool saved : {false, true}) {
+      SCOPED_TRACE(saved ? "saved mode" : "recompute mode");
+      if (saved) {
+        EXPECT_EQ(forward(true), y) << "the forward that keeps h changed y";
+      }
+      backward(saved);
+      const auto dx = gather<uint16_t>(&Rank::dx, tokens * H);
+      const auto dp = gather<float>(&Rank::dp, tokens * k);
+      const double dx_err = megamoe_test::rel_error(megamoe_test::decode(dx), megamoe_test::decode(fused.dx));
+      std::printf("  backward (%s) dx vs one GPU %.3e\n", saved ? "saved" : "recompute", dx_err);
+      EXPECT_LT(dx_err, megamoe_test::kEpVsOneGpu);
+      EXPECT_EQ(std::memcmp(dp.data(), fused.dp.data(), dp.size() * 4), 0)
+          << "d topk_weights differs from the one-GPU FP8 layer";
+      EXPECT_EQ(gather<uint16_t>(&Rank::dw1, e * 2 * I * H), fused.dw1)
+          << "d w_gate_up differs from the one-GPU FP8 layer";
+      EXPECT_EQ(gather<uint16_t>(&Rank::dw2, e * H * I), fused.dw2)
+          << "d w_down differs from the one-GPU FP8 layer";
+    }
+  }
+
+  std::vector<Fp8Copy> gate_up_, down_;
+};
+
+TEST_P(EpFp8Emulated, MatchesOneGpuFp8Layer) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  check_fp8(96, 256, 128, 16, 4, Routing::kRandom, 0.05, seed);
+  check_fp8(100, 512, 256, 16, 2, Routing::kRandom, 0.0, seed + 1);
+}
+
+TEST_P(EpFp8Emulated, KIsOne) {
+  check_fp8(129, 256, 128, 8, 1, Routing::kRandom, 0.1, megamoe_test::fresh_seed());
+}
+
+TEST_P(EpFp8Emulated, EveryTokenOnOneRank) {
+  // Ranks other than the last receive nothing; the last receives every row.
+  check_fp8(64, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, megamoe_test::fresh_seed());
+}
+
+INSTANTIATE_TEST_SUITE_P(Emulated, EpFp8Emulated,
+                         ::testing::Combine(::testing::Values(2, 8), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& info) {
+                           return "EP" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_Fp8" : "_Fp8Bwd");
+                         });
+
+}  // namespace
