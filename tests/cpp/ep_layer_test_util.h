@@ -282,9 +282,11 @@ class EpLayerTest : public RanksTest {
 
   // The EP=1 layer (one rank, every expert) on GPU 0 on the whole problem with `ids`:
   // forward, backward in recompute mode, and with saved_mode the saved-mode backward into
-  // fp32 accumulators; on the default path unless epilogue_combine.
+  // fp32 accumulators; on the default path unless epilogue_combine. experts: null for the
+  // problem's bf16 weights, or every expert's weights on GPU 0 at their precision (FP8).
   SingleRank single_rank(const std::vector<int32_t>& ids, bool saved_mode,
-                         bool epilogue_combine = false, bool overlap_dispatch = false) {
+                         bool epilogue_combine = false, bool overlap_dispatch = false,
+                         const megamoe::chain::Experts* experts = nullptr) {
     SingleRank out;
     const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
     megamoe::ep::Group g = group_;
@@ -299,8 +301,10 @@ class EpLayerTest : public RanksTest {
     const auto bf16 = [](void* p) { return static_cast<__nv_bfloat16*>(p); };
     const auto* x = bf16(upload_on(0, x_));
     const auto* dy = bf16(upload_on(0, dy_));
-    const auto* w1 = bf16(upload_on(0, w1_));
-    const auto* w2 = bf16(upload_on(0, w2_));
+    const megamoe::chain::Experts ex =
+        experts != nullptr ? *experts
+                           : megamoe::chain::Experts{bf16(upload_on(0, w1_)),
+                                                     bf16(upload_on(0, w2_)), H, I};
     const int32_t* d_ids = upload_on(0, ids);
     const float* weights = upload_on(0, weights_);
     auto* y = bf16(alloc_on(0, T * H * 2));
@@ -311,16 +315,15 @@ class EpLayerTest : public RanksTest {
     auto* acc1 = static_cast<float*>(alloc_on(0, E * 2 * I * H * 4));  // zeroed
     auto* acc2 = static_cast<float*>(alloc_on(0, E * H * I * 4));
     auto* saved_h = saved_mode ? bf16(alloc_on(0, g.max_recv_rows * 2 * I * 2)) : nullptr;
-    const size_t fwd_bytes = megamoe::ep::forward_workspace_bytes(g, T, I);
-    const size_t bwd_bytes = megamoe::ep::backward_workspace_bytes(g, T, I, false);
+    const size_t fwd_bytes = megamoe::ep::forward_workspace_bytes(g, T, I, ex.precision);
+    const size_t bwd_bytes = megamoe::ep::backward_workspace_bytes(g, T, I, false, ex.precision);
     void* fwd_ws = alloc_on(0, fwd_bytes);
     void* bwd_ws = alloc_on(0, bwd_bytes);
     EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
     cudaStream_t s = streams_[0];  // on GPU 0 in either mode; nothing else is in flight
     using megamoe::chain::WeightGrad;
-    megamoe::ep::forward(g, x, d_ids, false, weights, w1, w2, T, I, y, saved_h, fwd_ws, fwd_bytes,
-                         s);
-    megamoe::ep::backward(g, dy, x, d_ids, false, weights, w1, w2, T, I, nullptr, dx, dp,
+    megamoe::ep::forward(g, x, d_ids, false, weights, ex, T, y, saved_h, fwd_ws, fwd_bytes, s);
+    megamoe::ep::backward(g, dy, x, d_ids, false, weights, ex, T, nullptr, dx, dp,
                           WeightGrad::of(dw1, false), WeightGrad::of(dw2, false), bwd_ws,
                           bwd_bytes, s);
     EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
@@ -330,7 +333,7 @@ class EpLayerTest : public RanksTest {
     out.dw1 = download<uint16_t>(dw1, E * 2 * I * H);
     out.dw2 = download<uint16_t>(dw2, E * H * I);
     if (saved_mode) {
-      megamoe::ep::backward(g, dy, x, d_ids, false, weights, w1, w2, T, I, saved_h, dx, dp,
+      megamoe::ep::backward(g, dy, x, d_ids, false, weights, ex, T, saved_h, dx, dp,
                             WeightGrad::of(acc1, true), WeightGrad::of(acc2, true), bwd_ws,
                             bwd_bytes, s);
       EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
@@ -346,12 +349,12 @@ class EpLayerTest : public RanksTest {
   }
 
   // What EP=W's y and dx must be for the global `ids`, bit for bit: sums of the EP=1
-  // layer's per-owner results.
+  // layer's per-owner results (experts: as in single_rank).
   void owner_sums(const std::vector<int32_t>& ids, std::vector<uint16_t>& y,
-                  std::vector<uint16_t>& dx) {
+                  std::vector<uint16_t>& dx, const megamoe::chain::Experts* experts = nullptr) {
     std::vector<std::vector<uint16_t>> ys, dxs;
     for (int o = 0; o < world_; ++o) {
-      SingleRank part = single_rank(owner_ids(ids, o), false);
+      SingleRank part = single_rank(owner_ids(ids, o), false, false, false, experts);
       ys.push_back(std::move(part.y));
       dxs.push_back(std::move(part.dx));
     }

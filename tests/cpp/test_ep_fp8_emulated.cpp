@@ -1,16 +1,23 @@
 // Blockwise FP8 through the expert-parallel layer, with the ranks emulated on GPU 0 (as in
 // test_ep_emulated.cpp; skipped without a GPU): precisions "fp8" and "fp8_bwd", forward and
-// both backward modes, against the one-GPU FP8 layer (megamoe_fused_fp8_*) on the same
-// global problem: d topk_weights and the weight gradients bitwise, y and dx within one bf16
-// rounding per owner (kEpVsOneGpu), and a second call on the same buffers bitwise equal to
-// the first. Each rank's FP8 weight copies are its experts' part of what the quantizer
-// makes of the global weights (128 x 128 blocks never cross experts).
+// both backward modes, on the same global problem as
+//   - the one-GPU FP8 layer (megamoe_fused_fp8_*): d topk_weights and the weight gradients
+//     bitwise, y and dx within one bf16 rounding per owner (kEpVsOneGpu);
+//   - the EP=1 layer at the same precision (one rank, every expert): d topk_weights, the bf16
+//     weight gradients and the saved mode's fp32 accumulators bitwise, and y and dx bitwise
+//     equal to the sums of its per-owner results (ep_layer_test_util.h: a row's FP8 GEMM
+//     results depend only on the row, its 1x128 blocks being its own, so the owner's bf16
+//     partial sum is the only difference from one GPU, as in bf16);
+//   - its own first call: a second call on the same buffers bitwise equal.
+// Each rank's FP8 weight copies are its experts' part of what the quantizer makes of the
+// global weights (128 x 128 blocks never cross experts).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ep_layer_test_util.h"
@@ -47,11 +54,12 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
     return c;
   }
 
-  // The experts of rank r (its bf16 weights and their FP8 copies) at this test's precision.
-  megamoe::chain::Experts rank_experts(int r) {
-    const Fp8Copy& g = gate_up_[r];
-    const Fp8Copy& d = down_[r];
-    megamoe::chain::Experts x{ranks_[r].w1, ranks_[r].w2, H(), I()};
+  // Experts over w_gate_up w1 and w_down w2 on GPU 0 with their FP8 copies, at this test's
+  // precision.
+  megamoe::chain::Experts experts(const void* w1, const void* w2, const Fp8Copy& g,
+                                  const Fp8Copy& d) const {
+    megamoe::chain::Experts x{static_cast<const __nv_bfloat16*>(w1),
+                              static_cast<const __nv_bfloat16*>(w2), H(), I()};
     x.precision = precision();
     x.fp8_gate_up = {static_cast<const __nv_fp8_e4m3*>(g.q), static_cast<const __nv_fp8_e4m3*>(g.q_t),
                      static_cast<const float*>(g.scales)};
@@ -59,22 +67,36 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
                   static_cast<const float*>(d.scales)};
     return x;
   }
+  // Rank r's experts.
+  megamoe::chain::Experts rank_experts(int r) const {
+    return experts(ranks_[r].w1, ranks_[r].w2, gate_up_[r], down_[r]);
+  }
 
-  // The one-GPU FP8 layer on the whole problem: forward, backward in recompute mode with
-  // bf16 weight gradients.
+  // Every expert's weights and FP8 copies on GPU 0 (global_, for the one-GPU and EP=1 layers).
+  void make_global_experts() {
+    const int64_t H = this->H(), I = this->I(), E = p_.d.E;
+    EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
+    global_w1_ = upload_on(0, w1_);
+    global_w2_ = upload_on(0, w2_);
+    global_gate_up_ = quantize(global_w1_, E, 2 * I, H);
+    global_down_ = quantize(global_w2_, E, H, I);
+    global_ = experts(global_w1_, global_w2_, global_gate_up_, global_down_);
+  }
+
+  // The one-GPU FP8 layer on the whole problem (make_global_experts() first): forward,
+  // backward in recompute mode with bf16 weight gradients.
   SingleRank one_gpu_fp8() {
     SingleRank out;
     const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
     EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
     using megamoe_test::dense_tensor;
-    void* w1 = upload_on(0, w1_);
-    void* w2 = upload_on(0, w2_);
-    const Fp8Copy g = quantize(w1, E, 2 * I, H), d = quantize(w2, E, H, I);
+    const Fp8Copy& g = global_gate_up_;
+    const Fp8Copy& d = global_down_;
     megamoe_tensor gx = dense_tensor(upload_on(0, x_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
     megamoe_tensor gids = dense_tensor(upload_on(0, ids_), MEGAMOE_DTYPE_INT32, {T, k});
     megamoe_tensor gp = dense_tensor(upload_on(0, weights_), MEGAMOE_DTYPE_FLOAT32, {T, k});
-    megamoe_tensor gw1 = dense_tensor(w1, MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
-    megamoe_tensor gw2 = dense_tensor(w2, MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
+    megamoe_tensor gw1 = dense_tensor(global_w1_, MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
+    megamoe_tensor gw2 = dense_tensor(global_w2_, MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
     megamoe_tensor q1 = dense_tensor(g.q, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, 2 * I, H});
     megamoe_tensor t1 = dense_tensor(g.q_t, MEGAMOE_DTYPE_FLOAT8_E4M3, {E, H, 2 * I});
     megamoe_tensor s1 = dense_tensor(g.scales, MEGAMOE_DTYPE_FLOAT32, {E, 2 * I / 128, H / 128});
@@ -117,14 +139,19 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
     return out;
   }
 
-  // The EP layer at this precision against one_gpu_fp8() (the header comment lists what).
+  // The EP layer at this precision against the one-GPU and EP=1 FP8 layers (the header
+  // comment lists what).
   void check_fp8(int64_t tokens, int64_t H, int64_t I, int64_t E, int64_t k, Routing routing,
                  double p_none, uint64_t seed) {
     SEEDED(seed);
     const int W = world_;
     prepare(tokens, H, I, E, k, routing, p_none, tokens * k * W, seed);
     if (HasFatalFailure()) return;
+    make_global_experts();
     const SingleRank fused = one_gpu_fp8();
+    const SingleRank ep1 = single_rank(ids_, true, false, false, &global_);
+    std::vector<uint16_t> expected_y, expected_dx;
+    owner_sums(ids_, expected_y, expected_dx, &global_);
     const int64_t e = e_local_;
     gate_up_.clear();
     down_.clear();
@@ -156,7 +183,9 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
       expect_no_errors("forward");
       return gather<uint16_t>(&Rank::y, tokens * H);
     };
-    const auto backward = [&](bool saved) {
+    // Recompute or saved mode; the weight gradients written in bf16, or added into the
+    // zeroed fp32 accumulators.
+    const auto backward = [&](bool saved, bool fp32) {
       for (int r = 0; r < W; ++r) {
         const OnRank on = on_rank(r);
         Rank& rk = ranks_[r];
@@ -164,9 +193,13 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
         EXPECT_EQ(cudaMemsetAsync(rk.dp, 0xFF, tokens * k * 4, streams_[r]), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(rk.dw2, 0xFF, e * H * I * 2, streams_[r]), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(rk.acc1, 0, e * 2 * I * H * 4, streams_[r]), cudaSuccess);
+        EXPECT_EQ(cudaMemsetAsync(rk.acc2, 0, e * H * I * 4, streams_[r]), cudaSuccess);
         megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rank_experts(r), tokens,
-                              saved ? rk.saved_h : nullptr, rk.dx, rk.dp, WeightGrad::of(rk.dw1, false),
-                              WeightGrad::of(rk.dw2, false), bwd_ws[r], bwd_bytes[r], streams_[r]);
+                              saved ? rk.saved_h : nullptr, rk.dx, rk.dp,
+                              fp32 ? WeightGrad::of(rk.acc1, true) : WeightGrad::of(rk.dw1, false),
+                              fp32 ? WeightGrad::of(rk.acc2, true) : WeightGrad::of(rk.dw2, false),
+                              bwd_ws[r], bwd_bytes[r], streams_[r]);
       }
       sync_ranks();
       expect_no_errors(saved ? "backward (saved)" : "backward");
@@ -178,29 +211,56 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
                 forward_fp8() ? "fp8" : "fp8_bwd", long(tokens), long(H), long(I), long(E), long(k),
                 y_err);
     EXPECT_LT(y_err, megamoe_test::kEpVsOneGpu);
+    EXPECT_EQ(y, expected_y) << "EP=" << W << " y differs from the EP=1 FP8 owners' sum";
     EXPECT_EQ(forward(false), y) << "a second forward on the same buffers differs from the first";
 
-    for (const bool saved : {false, true}) {
-      SCOPED_TRACE(saved ? "saved mode" : "recompute mode");
+    // Recompute mode, saved mode (bf16 weight gradients: the same as recompute mode's), saved
+    // mode into fp32 accumulators.
+    const std::pair<bool, bool> passes[] = {{false, false}, {true, false}, {true, true}};
+    for (const auto& [saved, fp32] : passes) {
+      SCOPED_TRACE(std::string(saved ? "saved mode" : "recompute mode") +
+                   (fp32 ? ", fp32 accumulators" : ", bf16 weight gradients"));
       if (saved) {
         EXPECT_EQ(forward(true), y) << "the forward that keeps h changed y";
       }
-      backward(saved);
+      backward(saved, fp32);
       const auto dx = gather<uint16_t>(&Rank::dx, tokens * H);
       const auto dp = gather<float>(&Rank::dp, tokens * k);
       const double dx_err = megamoe_test::rel_error(megamoe_test::decode(dx), megamoe_test::decode(fused.dx));
-      std::printf("  backward (%s) dx vs one GPU %.3e\n", saved ? "saved" : "recompute", dx_err);
+      std::printf("  backward (%s%s) dx vs one GPU %.3e\n", saved ? "saved" : "recompute",
+                  fp32 ? ", fp32" : "", dx_err);
       EXPECT_LT(dx_err, megamoe_test::kEpVsOneGpu);
+      EXPECT_EQ(dx, expected_dx) << "EP=" << W << " dx differs from the EP=1 FP8 owners' sum";
       EXPECT_EQ(std::memcmp(dp.data(), fused.dp.data(), dp.size() * 4), 0)
           << "d topk_weights differs from the one-GPU FP8 layer";
-      EXPECT_EQ(gather<uint16_t>(&Rank::dw1, e * 2 * I * H), fused.dw1)
-          << "d w_gate_up differs from the one-GPU FP8 layer";
-      EXPECT_EQ(gather<uint16_t>(&Rank::dw2, e * H * I), fused.dw2)
-          << "d w_down differs from the one-GPU FP8 layer";
+      EXPECT_EQ(std::memcmp(dp.data(), ep1.dp.data(), dp.size() * 4), 0)
+          << "d topk_weights differs from the EP=1 FP8 layer";
+      if (!fp32) {
+        const auto dw1 = gather<uint16_t>(&Rank::dw1, e * 2 * I * H);
+        const auto dw2 = gather<uint16_t>(&Rank::dw2, e * H * I);
+        EXPECT_EQ(dw1, fused.dw1) << "d w_gate_up differs from the one-GPU FP8 layer";
+        EXPECT_EQ(dw2, fused.dw2) << "d w_down differs from the one-GPU FP8 layer";
+        EXPECT_EQ(dw1, ep1.dw1) << "d w_gate_up differs from the EP=1 FP8 layer";
+        EXPECT_EQ(dw2, ep1.dw2) << "d w_down differs from the EP=1 FP8 layer";
+        continue;
+      }
+      const auto acc1 = gather<float>(&Rank::acc1, e * 2 * I * H);
+      const auto acc2 = gather<float>(&Rank::acc2, e * H * I);
+      EXPECT_EQ(std::memcmp(acc1.data(), ep1.acc1.data(), acc1.size() * 4), 0)
+          << "fp32 d w_gate_up differs from the EP=1 FP8 layer's saved mode";
+      EXPECT_EQ(std::memcmp(acc2.data(), ep1.acc2.data(), acc2.size() * 4), 0)
+          << "fp32 d w_down differs from the EP=1 FP8 layer's saved mode";
+      // fp32 sums against their bf16 rounding: every element within 2^-9 relative.
+      const std::vector<double> a1(acc1.begin(), acc1.end()), a2(acc2.begin(), acc2.end());
+      EXPECT_LT(megamoe_test::rel_error(megamoe_test::decode(fused.dw1), a1), 2e-3) << "fp32 d w_gate_up";
+      EXPECT_LT(megamoe_test::rel_error(megamoe_test::decode(fused.dw2), a2), 2e-3) << "fp32 d w_down";
     }
   }
 
-  std::vector<Fp8Copy> gate_up_, down_;
+  std::vector<Fp8Copy> gate_up_, down_;  // each rank's
+  void *global_w1_ = nullptr, *global_w2_ = nullptr;
+  Fp8Copy global_gate_up_, global_down_;
+  megamoe::chain::Experts global_{};
 };
 
 TEST_P(EpFp8Emulated, MatchesOneGpuFp8Layer) {

@@ -103,6 +103,20 @@ def test_buffer_only_with_fused_and_a_group():
         megamoe.moe(**_args(), buffer=object(), backend="torch")
 
 
+def test_fp8_precisions_with_a_group_and_buffer(one_rank_group):
+    """Blockwise FP8 runs under expert parallelism: "fp8" and "fp8_bwd" with a group and a
+    buffer pass the precision check and meet the fused backend's own (CUDA tensors here, on
+    the CPU), not a NotBuiltError; "mxfp8" keeps its error."""
+    for precision in ("fp8", "fp8_bwd"):
+        with pytest.raises(MegaMoEError, match="backend='fused' runs on CUDA tensors") as info:
+            megamoe.moe(**_args(), group=one_rank_group, buffer=object(), precision=precision,
+                        backend="fused")
+        assert not isinstance(info.value, NotBuiltError)
+    with pytest.raises(MegaMoEError, match="precision='mxfp8'.*Blackwell"):
+        megamoe.moe(**_args(), group=one_rank_group, buffer=object(), precision="mxfp8",
+                    backend="fused")
+
+
 def test_buffer_needs_a_group():
     with pytest.raises(MegaMoEError, match="Buffer: group is None"):
         megamoe.Buffer(None, 16, 128, 128, 8, 2)
