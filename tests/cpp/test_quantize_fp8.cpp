@@ -7,7 +7,9 @@
 // 128-row column quantizer reading a plan's padded rows straight from the token matrix
 // (quantize_fp8_columns_gathered): the bits of gather_rows_padded and then quantizing the
 // columns. And one matrix quantized into rows and columns in one pass
-// (quantize_fp8_rows_and_columns): the bits of the two separate quantizers.
+// (quantize_fp8_rows_and_columns): the bits of the two separate quantizers. And the token
+// matrix's e4m3 rows and scales copied into the sorted rows (copy_fp8_to_rows): the bytes of
+// quantize_fp8_to_rows.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -216,6 +218,7 @@ class QuantizeFp8SortedRows : public GpuTest {
   // the sorted rows, and into a token matrix whose rows are then gathered on the host:
   // every byte of the sorted copy and its scales, poisoned beforehand, must be the
   // gathered one's, and the rows past the valid ones (and the scales' pad columns) poison.
+  // The same for the token matrix copied into the sorted rows (copy_fp8_to_rows, k <= 32).
   void check(int64_t T, int64_t k, int64_t H, int64_t E, const std::vector<int32_t>& ids,
              uint64_t seed) {
     SEEDED(seed);
@@ -255,9 +258,8 @@ class QuantizeFp8SortedRows : public GpuTest {
     to_rows.s_1 = ld_rows;
     megamoe::quantize_fp8_to_rows(to_rows, {slot_row_d, k}, stream_);
 
-    const std::vector<uint8_t> tq = download(token_q, T * H), got_q = download(q, rows * H);
-    const std::vector<float> ts = download(token_s, blocks * ld_tokens),
-                             got_s = download(s, blocks * ld_rows);
+    const std::vector<uint8_t> tq = download(token_q, T * H);
+    const std::vector<float> ts = download(token_s, blocks * ld_tokens);
     std::vector<uint8_t> want_q(rows * H, kPoisonByte);
     std::vector<uint32_t> want_s(blocks * ld_rows, kPoisonScale);
     for (int64_t r = 0; r < sorted.used; ++r) {
@@ -267,23 +269,46 @@ class QuantizeFp8SortedRows : public GpuTest {
         std::memcpy(&want_s[j * ld_rows + r], &ts[j * ld_tokens + t], 4);
       }
     }
-    int64_t bad_q = 0, bad_s = 0;
-    for (int64_t i = 0; i < rows * H; ++i) {
-      if (got_q[i] != want_q[i] && bad_q++ < 5) {
-        ADD_FAILURE() << "q row " << i / H << " column " << i % H << ": "
-                      << int(got_q[i]) << ", expected " << int(want_q[i]);
+    const auto compare = [&](const uint8_t* q_d, const float* s_d) {
+      const std::vector<uint8_t> got_q = download(q_d, rows * H);
+      const std::vector<float> got_s = download(s_d, blocks * ld_rows);
+      int64_t bad_q = 0, bad_s = 0;
+      for (int64_t i = 0; i < rows * H; ++i) {
+        if (got_q[i] != want_q[i] && bad_q++ < 5) {
+          ADD_FAILURE() << "q row " << i / H << " column " << i % H << ": "
+                        << int(got_q[i]) << ", expected " << int(want_q[i]);
+        }
       }
-    }
-    for (int64_t i = 0; i < blocks * ld_rows; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &got_s[i], 4);
-      if (bits != want_s[i] && bad_s++ < 5) {
-        ADD_FAILURE() << "scale of row " << i % ld_rows << " block " << i / ld_rows << ": "
-                      << std::hex << bits << ", expected " << want_s[i];
+      for (int64_t i = 0; i < blocks * ld_rows; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &got_s[i], 4);
+        if (bits != want_s[i] && bad_s++ < 5) {
+          ADD_FAILURE() << "scale of row " << i % ld_rows << " block " << i / ld_rows << ": "
+                        << std::hex << bits << ", expected " << want_s[i];
+        }
       }
+      EXPECT_EQ(bad_q, 0);
+      EXPECT_EQ(bad_s, 0);
+    };
+    {
+      SCOPED_TRACE("quantize_fp8_to_rows");
+      compare(q, s);
     }
-    EXPECT_EQ(bad_q, 0);
-    EXPECT_EQ(bad_s, 0);
+    if (k > 32) return;
+    SCOPED_TRACE("copy_fp8_to_rows");
+    CUDA_OK(cudaMemset(q, kPoisonByte, rows * H));
+    CUDA_OK(cudaMemset(s, 0x7b, blocks * ld_rows * sizeof(float)));
+    megamoe::Fp8RowsCopyArgs copy;
+    copy.q = token_q;
+    copy.scales = token_s;
+    copy.scale_ld = ld_tokens;
+    copy.rows = T;
+    copy.cols = H;
+    copy.out_q = q;
+    copy.out_scales = s;
+    copy.out_scale_ld = ld_rows;
+    megamoe::copy_fp8_to_rows(copy, {slot_row_d, k}, stream_);
+    compare(q, s);
   }
 };
 
@@ -375,6 +400,33 @@ TEST(QuantizeFp8SortedRowsErrors, NeedsDestinations) {
   a.q_row = 128;
   expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, {nullptr, 2}, nullptr); },
                  "null dests.rows");
+}
+
+TEST(CopyFp8ToRowsErrors, ArgumentsNamed) {
+  megamoe::Fp8RowsCopyArgs a;
+  a.rows = 4;
+  a.cols = 128;
+  int32_t dest = 0;  // never read: the checks throw first
+  expect_invalid([&] { megamoe::copy_fp8_to_rows(a, {&dest, 0}, nullptr); },
+                 "dests.per_row must be in [1, 32]");
+  expect_invalid([&] { megamoe::copy_fp8_to_rows(a, {&dest, 33}, nullptr); },
+                 "dests.per_row must be in [1, 32]");
+  a.cols = 100;
+  expect_invalid([&] { megamoe::copy_fp8_to_rows(a, {&dest, 2}, nullptr); },
+                 "cols must be a positive multiple of 128");
+  a.cols = 128;
+  expect_invalid([&] { megamoe::copy_fp8_to_rows(a, {&dest, 2}, nullptr); }, "null pointer");
+  alignas(16) uint8_t bytes[32] = {};
+  float scales[4] = {};
+  a.q = bytes + 1;
+  a.out_q = bytes;
+  a.scales = scales;
+  a.out_scales = scales;
+  expect_invalid([&] { megamoe::copy_fp8_to_rows(a, {&dest, 2}, nullptr); }, "16-byte aligned");
+  a.q = bytes;
+  a.scale_ld = 3;
+  expect_invalid([&] { megamoe::copy_fp8_to_rows(a, {&dest, 2}, nullptr); },
+                 "scale_ld must be at least rows");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -442,6 +442,50 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// copy_fp8_to_rows: one warp per row. Lane j < per_row holds the row's destination j; the
+// loops over a row's pieces run alike in every lane (bounds checked per piece), so that the
+// shuffles of the destinations see the whole warp.
+constexpr int kCopyBatch = 4;  // 16-byte loads a lane has in flight before it stores
+
+__global__ void __launch_bounds__(kThreads)
+    copy_fp8_to_rows_kernel(const Fp8RowsCopyArgs a, const Fp8RowDests dests) {
+  const int lane = threadIdx.x % 32;
+  const int64_t pieces = a.cols / 16, blocks = a.cols / kTile;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; row < a.rows;
+       row += warps) {
+    const int32_t dest = lane < dests.per_row ? __ldg(&dests.rows[row * dests.per_row + lane]) : -1;
+    const unsigned to = __ballot_sync(0xffffffffu, dest >= 0);
+    if (to == 0) continue;  // a row nobody needs is not read
+    const uint4* src = reinterpret_cast<const uint4*>(a.q + row * a.cols);
+    for (int64_t base = 0; base < pieces; base += 32 * kCopyBatch) {
+      uint4 v[kCopyBatch];
+#pragma unroll
+      for (int b = 0; b < kCopyBatch; ++b) {
+        const int64_t i = base + 32 * b + lane;
+        if (i < pieces) v[b] = __ldg(src + i);
+      }
+      for (unsigned m = to; m != 0; m &= m - 1) {
+        const int32_t r = __shfl_sync(0xffffffffu, dest, __ffs(m) - 1);
+        uint4* dst = reinterpret_cast<uint4*>(a.out_q + int64_t(r) * a.cols);
+#pragma unroll
+        for (int b = 0; b < kCopyBatch; ++b) {
+          const int64_t i = base + 32 * b + lane;
+          if (i < pieces) dst[i] = v[b];
+        }
+      }
+    }
+    for (int64_t base = 0; base < blocks; base += 32) {
+      const int64_t j = base + lane;
+      const float s = j < blocks ? __ldg(&a.scales[j * a.scale_ld + row]) : 0.0f;
+      for (unsigned m = to; m != 0; m &= m - 1) {
+        const int32_t r = __shfl_sync(0xffffffffu, dest, __ffs(m) - 1);
+        if (j < blocks) a.out_scales[j * a.out_scale_ld + r] = s;
+      }
+    }
+  }
+}
+
 [[maybe_unused]] const bool kPreloadable =
     register_kernel_module(&quantize_fp8_kernel<Fp8Blocks::kRows1x128>);
 
@@ -562,6 +606,20 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>;
   kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(a, row_tiles_of(a),
                                                                  a.cols / kTile, dests);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void copy_fp8_to_rows(const Fp8RowsCopyArgs& a, const Fp8RowDests& dests,
+                      cudaStream_t stream) {
+  if (a.cols <= 0 || a.cols % kTile) fail("copy: cols must be a positive multiple of 128");
+  if (a.rows < 0) fail("copy: negative rows");
+  if (dests.per_row < 1 || dests.per_row > 32) fail("copy: dests.per_row must be in [1, 32]");
+  if (a.rows == 0) return;
+  if (!a.q || !a.scales || !a.out_q || !a.out_scales || !dests.rows) fail("copy: null pointer");
+  if (!aligned16(a.q) || !aligned16(a.out_q)) fail("copy: q and out_q must be 16-byte aligned");
+  if (a.scale_ld < a.rows) fail("copy: scale_ld must be at least rows");
+  const int64_t blocks = std::min<int64_t>((a.rows + kWarps - 1) / kWarps, 4 * int64_t(sm_count()));
+  copy_fp8_to_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -69,6 +69,27 @@ struct Fp8RowDests {
 void quantize_fp8_to_rows(const Fp8QuantizeArgs& args, const Fp8RowDests& dests,
                           cudaStream_t stream);
 
+// Rows already quantized by quantize_fp8 (kRows1x128) as a dense matrix, and where their
+// copies go: q [rows, cols] e4m3 (row-major, ld = cols) with the scale of row r's block j at
+// scales[j * scale_ld + r], and the same layout for out_q and out_scales (out_scale_ld).
+struct Fp8RowsCopyArgs {
+  const uint8_t* q = nullptr;
+  const float* scales = nullptr;
+  int64_t scale_ld = 0;
+  int64_t rows = 0, cols = 0;
+  uint8_t* out_q = nullptr;
+  float* out_scales = nullptr;
+  int64_t out_scale_ld = 0;
+};
+
+// Every row of args.q and its scales copied to the rows of out that dests gives it (per_row
+// at most 32): the bits quantize_fp8_to_rows writes there from the bf16 rows that q was
+// quantized from. A row with no destination is not read; rows no entry names are left
+// untouched. For tokens quantized before they moved to the GPU that computes their rows (the
+// expert-parallel FP8 forward). cols a positive multiple of 128; q, out_q 16-byte aligned.
+void copy_fp8_to_rows(const Fp8RowsCopyArgs& args, const Fp8RowDests& dests,
+                      cudaStream_t stream);
+
 // The padded expert-sorted rows of a routing plan over a token matrix, as
 // gather_rows_padded (gather_padded.h) writes them: padded row p of expert e's tiles
 // (tile_offsets[e] * 128 <= p < tile_offsets[e + 1] * 128, local row i = p -
