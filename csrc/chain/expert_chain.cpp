@@ -40,27 +40,17 @@ sm90::MGroupedA gathered(const Rows& r, const __nv_bfloat16* tokens) {
 
 // ---- FP8 ------------------------------------------------------------------------------
 
-// Scale rows start 16-byte aligned for the GEMMs' TMA loads of them.
-int64_t scale_ld(int64_t rows) { return (rows + 3) / 4 * 4; }
-
-Fp8Rows carve_rows(WorkspaceCarver& c, int64_t rows, int64_t cols) {
-  Fp8Rows r;
-  r.scale_ld = scale_ld(rows);
-  r.q = c.take<__nv_fp8_e4m3>(rows * cols);
-  r.scales = c.take<float>(cols / 128 * r.scale_ld);
-  return r;
-}
 // A bf16 buffer of `elements` whose bytes also hold, before it is written, an e4m3 copy of
 // rows x cols with its scales (`fp8`): the piece is as large as the larger of the two.
 __nv_bfloat16* carve_shared_with_rows(WorkspaceCarver& c, int64_t elements, int64_t rows,
                                       int64_t cols, Fp8Rows& fp8) {
   WorkspaceCarver count;
-  carve_rows(count, rows, cols);
+  carve_fp8_rows(count, rows, cols);
   const size_t bytes = std::max(static_cast<size_t>(elements) * sizeof(__nv_bfloat16),
                                 count.bytes());
   char* piece = c.take<char>(static_cast<int64_t>(bytes));
   WorkspaceCarver inside(piece, bytes);  // counts only when `c` does (piece is null)
-  fp8 = carve_rows(inside, rows, cols);
+  fp8 = carve_fp8_rows(inside, rows, cols);
   return reinterpret_cast<__nv_bfloat16*>(piece);
 }
 
@@ -187,16 +177,36 @@ bool fp8_gather_a() { return diagnostic_switch("MEGAMOE_FP8_GATHER_A"); }
 // fp8_gather_a() the token matrix, gathered by the GEMM's producer. A row's values and
 // scales do not depend on where they are written, and the mainloop's arithmetic per output
 // not on how A arrives or on the tile width: each output has the same bits either way.
-sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens, int64_t cols,
-                                  const Fp8Rows& out, cudaStream_t stream) {
+// quantized: the token matrix already quantized (Rows::x_quantized), copied instead of
+// quantized (q null: quantize `tokens`); with fp8_gather_a() the GEMM gathers from it.
+sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens,
+                                  const Fp8Rows& quantized, int64_t cols, const Fp8Rows& out,
+                                  cudaStream_t stream) {
   if (fp8_gather_a()) {
-    quantize_rows(tokens, r.tokens, cols, out, stream);
-    return {out.q, r.tokens, RowLayout::kSorted, r.plan.row_token, out.scales, out.scale_ld};
+    Fp8Rows from = quantized;
+    if (from.q == nullptr) {
+      quantize_rows(tokens, r.tokens, cols, out, stream);
+      from = out;
+    }
+    return {from.q, r.tokens, RowLayout::kSorted, r.plan.row_token, from.scales, from.scale_ld};
   }
   if (r.tokens > 0 && (r.topk < 1 || r.plan.slot_row == nullptr)) {
     throw_invalid("expert chain: FP8 rows need the plan's slot_row and topk");
   }
-  quantize_rows(tokens, r.tokens, cols, out, stream, {r.plan.slot_row, r.topk});
+  if (quantized.q != nullptr) {
+    Fp8RowsCopyArgs copy;
+    copy.q = reinterpret_cast<const uint8_t*>(quantized.q);
+    copy.scales = quantized.scales;
+    copy.scale_ld = quantized.scale_ld;
+    copy.rows = r.tokens;
+    copy.cols = cols;
+    copy.out_q = reinterpret_cast<uint8_t*>(out.q);
+    copy.out_scales = out.scales;
+    copy.out_scale_ld = out.scale_ld;
+    copy_fp8_to_rows(copy, {r.plan.slot_row, r.topk}, stream);
+  } else {
+    quantize_rows(tokens, r.tokens, cols, out, stream, {r.plan.slot_row, r.topk});
+  }
   // Sorted rows past expert_offsets[E] stay unwritten: the GEMMs store no row of them.
   return {out.q, r.rows, RowLayout::kSorted, nullptr, out.scales, out.scale_ld};
 }
@@ -209,13 +219,28 @@ bool fp8_unfused_activation() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_AC
 
 }  // namespace
 
+int64_t fp8_scale_ld(int64_t rows) { return (rows + 3) / 4 * 4; }
+
+Fp8Rows carve_fp8_rows(WorkspaceCarver& c, int64_t rows, int64_t cols) {
+  Fp8Rows r;
+  r.scale_ld = fp8_scale_ld(rows);
+  r.q = c.take<__nv_fp8_e4m3>(rows * cols);
+  r.scales = c.take<float>(cols / 128 * r.scale_ld);
+  return r;
+}
+
+void quantize_tokens(const __nv_bfloat16* x, int64_t tokens, int64_t cols, const Fp8Rows& out,
+                     cudaStream_t stream) {
+  quantize_rows(x, tokens, cols, out, stream);
+}
+
 ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t tokens, int64_t H,
                              int64_t I, Precision precision) {
   ForwardBuffers b{};
   b.activation = carver.take<__nv_bfloat16>(rows * I);
   if (precision == Precision::kFp8) {
     b.out = carve_shared_with_rows(carver, rows * H, std::max(rows, tokens), H, b.x_fp8);
-    b.activation_fp8 = carve_rows(carver, rows, I);
+    b.activation_fp8 = carve_fp8_rows(carver, rows, I);
   } else {
     b.out = carver.take<__nv_bfloat16>(rows * H);
   }
@@ -229,7 +254,7 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
     if (l2_to_peers != nullptr) {
       throw_invalid("expert chain: L2 rows to peers need the bf16 forward");
     }
-    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, H, b.x_fp8, stream);
+    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, rows.x_quantized, H, b.x_fp8, stream);
     const sm90::Fp8Weights gate_up = as_b(w.fp8_gate_up, 2 * I, H, false);
     // L2's A straight from L1's epilogue where its tiles allow (A by TMA), else through the
     // bf16 activation.
@@ -292,7 +317,7 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
     b.token_rows =
         carve_shared_with_rows(carver, b.padded_rows * H, std::max(rows, tokens), H, b.dy_fp8);
     if (precision == Precision::kFp8 && !h_saved) b.x_fp8 = b.dy_fp8;  // x's, then dy's
-    b.dh_fp8 = carve_rows(carver, b.padded_rows, 2 * I);
+    b.dh_fp8 = carve_fp8_rows(carver, b.padded_rows, 2 * I);
     b.lhs_fp8 = carve_columns(carver, b.padded_rows, std::max(H, 2 * I));
     b.rhs_fp8 = carve_columns(carver, b.padded_rows, std::max(I, H));
   } else {
@@ -312,7 +337,7 @@ bool backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16*
                         const BackwardBuffers& b, bool dx_rows, bool dh_columns,
                         cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
-  const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, H, b.dy_fp8, stream);
+  const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, {}, H, b.dy_fp8, stream);
   sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, dy, as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
   sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
@@ -344,7 +369,7 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
   // in FP8 quantized into the sorted rows).
   const __nv_bfloat16* h = saved_h;
   if (h == nullptr && w.fp8_forward()) {  // the forward's FP8 GEMM, bit for bit
-    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, H, b.x_fp8, stream);
+    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, {}, H, b.x_fp8, stream);
     sm90::m_grouped_fp8_gemm_nt(
         over_rows(rows, x, as_b(w.fp8_gate_up, 2 * I, H, false), H, 2 * I, b.h), stream);
     h = b.h;

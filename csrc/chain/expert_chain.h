@@ -42,6 +42,18 @@
 
 namespace megamoe::chain {
 
+// An e4m3 matrix with 1x128 scales, the scale of row r's block j at scales[j * scale_ld + r].
+struct Fp8Rows {
+  __nv_fp8_e4m3* q = nullptr;
+  float* scales = nullptr;
+  int64_t scale_ld = 0;
+};
+// The scale_ld of an Fp8Rows of `rows` rows: rows rounded up to a multiple of 4 (scale rows
+// start 16-byte aligned for the GEMMs' TMA loads of them).
+int64_t fp8_scale_ld(int64_t rows);
+// An Fp8Rows [rows, cols] from the carver, with fp8_scale_ld(rows).
+Fp8Rows carve_fp8_rows(WorkspaceCarver& carver, int64_t rows, int64_t cols);
+
 // The rows, in expert-sorted order: expert e's rows are [expert_offsets[e],
 // expert_offsets[e+1]) with their M-tiles (128 rows) from tile_offsets[e]; row r is row
 // row_token[r] of the token matrices and carries the router weight
@@ -58,7 +70,18 @@ struct Rows {
   const __nv_bfloat16* x;     // [tokens, H]
   const __nv_bfloat16* dy;    // [tokens, H], backward only
   const float* slot_weights;  // backward only
+  // kFp8 forward: x already quantized as a token matrix [tokens, H] (quantize_tokens), e.g.
+  // on the tokens' own rank before they moved: each token's e4m3 row and scales are copied
+  // to its sorted rows (by slot_row) instead of quantized there, and x is not read. The same
+  // bits. q null: x is quantized here.
+  Fp8Rows x_quantized = {};
 };
+
+// x [tokens, cols] bf16 quantized into out [tokens, cols] (scale_ld >= tokens) as
+// Rows::x_quantized takes it: each row's e4m3 values and 1x128 scales are those the chain
+// gives the row when it quantizes x itself.
+void quantize_tokens(const __nv_bfloat16* x, int64_t tokens, int64_t cols, const Fp8Rows& out,
+                     cudaStream_t stream);
 
 enum class Precision { kBf16, kFp8, kFp8Backward };
 
@@ -83,12 +106,6 @@ struct Experts {
   bool fp8_backward() const { return precision != Precision::kBf16; }
 };
 
-// An e4m3 matrix with 1x128 scales, the scale of row r's block j at scales[j * scale_ld + r].
-struct Fp8Rows {
-  __nv_fp8_e4m3* q = nullptr;
-  float* scales = nullptr;
-  int64_t scale_ld = 0;
-};
 // A token-contiguous e4m3 copy [C, padded_rows] with scales [padded_rows / 128, C].
 struct Fp8Columns {
   __nv_fp8_e4m3* q = nullptr;
