@@ -10,13 +10,14 @@
 namespace megamoe::ep {
 namespace {
 
-// One warp copies a row of `hidden` bf16 to several places (16 bytes per lane, kCopyBatch
-// loads in flight before the stores); dst(i) gives the i-th destination row or null.
+// One warp copies a row of `bytes` (a multiple of 16) to several places (16 bytes per lane,
+// kCopyBatch loads in flight before the stores); dst(i) gives the i-th destination row or
+// null.
 template <class Destination>
-__device__ __forceinline__ void copy_row_to(const __nv_bfloat16* src, int hidden, int lane,
-                                            int count, Destination dst) {
+__device__ __forceinline__ void copy_row_to(const void* src, int bytes, int lane, int count,
+                                            Destination dst) {
   const auto* s = reinterpret_cast<const uint4*>(src);
-  const int n = hidden / 8;
+  const int n = bytes / 16;
   for (int base = lane; base < n; base += 32 * kCopyBatch) {
     uint4 v[kCopyBatch];
 #pragma unroll
@@ -35,11 +36,12 @@ __device__ __forceinline__ void copy_row_to(const __nv_bfloat16* src, int hidden
 }
 
 // 4. Each token once to each rank that owns one of its experts: the x row (backward: and
-// the dy row) into this rank's section of the owner's received tokens, and for each of
-// its slots there the owner row (send_base: the expert-sorted layout), the router weight
-// and the token's index on the owner. One warp per token. part: every owner, or (the
-// overlapped forward) this rank only, without copying the rows (L1 reads them from x:
-// own_row_token gets each own row's token), or the other ranks only.
+// the dy row; with x_fp8.q, the FP8 forward's quantized dispatch: the token's e4m3 row and
+// its 1x128 scales instead of x's) into this rank's section of the owner's received
+// tokens, and for each of its slots there the owner row (send_base: the expert-sorted
+// layout), the router weight and the token's index on the owner. One warp per token. part:
+// every owner, or (the overlapped forward) this rank only, without copying the rows (L1
+// reads them from x: own_row_token gets each own row's token), or the other ranks only.
 template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(kCopyThreads)
                     const int32_t* __restrict__ send_base, const int32_t* __restrict__ token_pos,
                     const int32_t* __restrict__ token_count, const int32_t* __restrict__ skip,
                     int64_t T, int32_t experts_per_rank, DispatchPart part,
-                    int32_t* __restrict__ own_row_token) {
+                    int32_t* __restrict__ own_row_token, const chain::Fp8Rows x_fp8) {
   const int world = peers.world_size, k = layout.topk, H = layout.hidden;
   // Whether this kernel serves rank d.
   const auto serves = [&](int d) {
@@ -74,18 +76,35 @@ __global__ void __launch_bounds__(kCopyThreads)
           slot_owner = id / experts_per_rank;
         }
       }
-      // The rows, read once, to every destination rank.
-      const auto to = [&](size_t area) {
-        return [&, area](int d) -> __nv_bfloat16* {
-          const int32_t pos = token_pos[t * world + d];
-          if (pos < 0 || !serves(d)) return nullptr;
-          return at<__nv_bfloat16>(peers.buffers[d], area) +
-                 (int64_t(peers.rank) * layout.max_tokens + pos) * H;
+      // The token's index on rank d, -1 where it does not go.
+      const auto there = [&](int d) -> int64_t {
+        const int32_t pos = token_pos[t * world + d];
+        if (pos < 0 || !serves(d)) return -1;
+        return int64_t(peers.rank) * layout.max_tokens + pos;
+      };
+      // The rows, read once, to every destination rank: rows of row_bytes in `area`.
+      const auto to = [&](size_t area, int64_t row_bytes) {
+        return [&, area, row_bytes](int d) -> char* {
+          const int64_t i = there(d);
+          return i < 0 ? nullptr : at<char>(peers.buffers[d], area) + i * row_bytes;
         };
       };
       if (part != DispatchPart::kSelf) {
-        copy_row_to(x + t * H, H, lane, world, to(layout.recv_x));
-        if (dy != nullptr) copy_row_to(dy + t * H, H, lane, world, to(layout.recv_dy));
+        if (x_fp8.q != nullptr) {
+          copy_row_to(x_fp8.q + t * H, H, lane, world, to(layout.recv_x, H));
+          for (int j = lane; j < H / 128; j += 32) {
+            const float s = x_fp8.scales[j * x_fp8.scale_ld + t];
+            for (int d = 0; d < world; ++d) {
+              const int64_t i = there(d);
+              if (i >= 0) {
+                at<float>(peers.buffers[d], layout.recv_x_scales)[j * layout.recv_x_scale_ld + i] = s;
+              }
+            }
+          }
+        } else {
+          copy_row_to(x + t * H, 2 * H, lane, world, to(layout.recv_x, 2 * H));
+        }
+        if (dy != nullptr) copy_row_to(dy + t * H, 2 * H, lane, world, to(layout.recv_dy, 2 * H));
       }
       for (int d = 0; d < world; ++d) {
         const int32_t pos = token_pos[t * world + d];
@@ -141,11 +160,18 @@ void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
   if (part == DispatchPart::kSelf && c.w.own_row_token == nullptr) {
     throw_invalid("EP dispatch: the own rows' pass needs the overlapped forward's workspace");
   }
+  if (c.w.fp8_dispatch && (dy != nullptr || part != DispatchPart::kAll)) {
+    throw_invalid("EP dispatch: the quantized dispatch is the FP8 forward's default path only");
+  }
+  if (c.w.fp8_dispatch && c.T > 0 && c.w.x_fp8_tokens.q == nullptr) {
+    throw_invalid("EP dispatch: the quantized dispatch needs x's e4m3 rows");
+  }
+  const chain::Fp8Rows x_fp8 = c.w.fp8_dispatch ? c.w.x_fp8_tokens : chain::Fp8Rows{};
   const auto launch = [&](auto* ids) {
     dispatch_kernel<<<blocks > 0 ? blocks : c.copy_blocks, kCopyThreads, 0, stream>>>(
         c.g.peers, c.buffer, x, dy, ids, topk_weights, c.w.local.plan.slot_row,
         c.w.local.plan.expert_offsets, c.w.send_base, c.w.token_pos, c.w.token_count, c.w.skip,
-        c.T, static_cast<int32_t>(c.e_local), part, c.w.own_row_token);
+        c.T, static_cast<int32_t>(c.e_local), part, c.w.own_row_token, x_fp8);
   };
   if (ids_are_int64) {
     launch(static_cast<const int64_t*>(topk_ids));

@@ -60,6 +60,13 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
   // Every rank must see the same value.
   const char* overlap = std::getenv("MEGAMOE_EP_OVERLAP_DISPATCH");
   out.overlap_dispatch = overlap != nullptr && overlap[0] != '\0' && std::strcmp(overlap, "0") != 0;
+  // The FP8 forward's bf16 dispatch (docs/expert-parallel.md, "Blockwise FP8 under EP"): off
+  // unless MEGAMOE_EP_FP8_BF16_DISPATCH is set (not "" or "0"), for an A/B of the quantized
+  // dispatch on the GPUs. The workspace size depends on it (read on every group). Every rank
+  // must see the same value.
+  const char* bf16_dispatch = std::getenv("MEGAMOE_EP_FP8_BF16_DISPATCH");
+  out.fp8_bf16_dispatch = bf16_dispatch != nullptr && bf16_dispatch[0] != '\0' &&
+                          std::strcmp(bf16_dispatch, "0") != 0;
   return out;
 }
 

@@ -35,9 +35,10 @@ CallWorkspace carve_checked(const Group& g, int64_t T, int64_t I, Pass pass,
   return w;
 }
 
-// Steps 1-4: plan, counts, layout, dispatch (x rows; with dy, dy rows too), and the
-// dispatch phase: afterwards this rank's received rows are in place (and, for the FP8
-// chain, the received tokens' slot rows of this call).
+// Steps 1-4: plan, counts, layout, dispatch (x rows, or in the FP8 forward's quantized
+// dispatch x quantized here once; with dy, dy rows too), and the dispatch phase: afterwards
+// this rank's received rows are in place (and, for the FP8 chain, the received tokens' slot
+// rows of this call).
 Call route_and_dispatch(const Group& g, const CallWorkspace& w, const __nv_bfloat16* x,
                         const __nv_bfloat16* dy, const void* topk_ids, bool ids_are_int64,
                         const float* topk_weights, int64_t T, cudaStream_t stream) {
@@ -45,6 +46,7 @@ Call route_and_dispatch(const Group& g, const CallWorkspace& w, const __nv_bfloa
   // (kernel_preload.h says why).
   preload_kernels();
   const Call c = begin_call(g, w, T);
+  if (w.fp8_dispatch) chain::quantize_tokens(x, T, g.hidden, w.x_fp8_tokens, stream);
   plan(c, topk_ids, ids_are_int64, stream);
   dispatch(c, x, dy, topk_ids, ids_are_int64, topk_weights, stream);
   comm::phase_barrier(g.peers, comm::Phase::kDispatch, g.timeout_ns, c.error, stream);
@@ -53,8 +55,9 @@ Call route_and_dispatch(const Group& g, const CallWorkspace& w, const __nv_bfloa
 }
 
 // The rows this rank computes: the received ones, in the expert-sorted order of the
-// layout, gathered from the received tokens (FP8: quantized into them by the slot rows).
-// row_slot: the backward's identity map.
+// layout, gathered from the received tokens (FP8: quantized into them by the slot rows, or
+// with the quantized dispatch, their e4m3 rows copied there). row_slot: the backward's
+// identity map.
 chain::Rows received_rows(const Call& c, int32_t* row_slot) {
   char* own = c.own();
   chain::Rows r{};
@@ -70,6 +73,12 @@ chain::Rows received_rows(const Call& c, int32_t* row_slot) {
   r.x = at<const __nv_bfloat16>(own, c.buffer.recv_x);
   r.dy = at<const __nv_bfloat16>(own, c.buffer.recv_dy);
   r.slot_weights = at<const float>(own, c.buffer.recv_weight);
+  if (c.w.fp8_dispatch) {
+    r.x = nullptr;  // recv_x holds the e4m3 tokens
+    r.x_quantized.q = at<__nv_fp8_e4m3>(own, c.buffer.recv_x);
+    r.x_quantized.scales = at<float>(own, c.buffer.recv_x_scales);
+    r.x_quantized.scale_ld = c.buffer.recv_x_scale_ld;
+  }
   return r;
 }
 

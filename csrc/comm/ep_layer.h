@@ -11,11 +11,13 @@
 //      then 1, ...: the global token order, the one-GPU layer's row order), where its rows
 //      go in every owner's expert-sorted rows, and the capacity check;
 //   4. dispatch: each token once per owner rank (not once per slot: with k = 8 over 2
-//      ranks that moves 4x fewer bytes): the x row (backward: and the dy row) into the
-//      source's section of the owner's received tokens, with, per slot there, its owner
-//      row, router weight and token; signal;
+//      ranks that moves 4x fewer bytes): the x row (backward: and the dy row; the FP8
+//      forward: x quantized once on its rank, the e4m3 row and its 1x128 scales, half the
+//      bytes) into the source's section of the owner's received tokens, with, per slot
+//      there, its owner row, router weight and token; signal;
 //   5. the expert chain on the received rows (A gathered from the received tokens; in FP8
-//      each received token quantized once into its rows, by this call's slot rows);
+//      each received token's e4m3 row copied into its rows, or in the FP8 backward each
+//      received token quantized once into its rows, by this call's slot rows);
 //   6. combine send: per received token, its rows' results summed in fp32 over its slots
 //      (forward: weighted), rounded to bf16 once, into the source's combine area at [this
 //      rank, token]; the backward also sends each slot's d topk_weights; signal;
@@ -74,9 +76,11 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
              cudaStream_t stream);
 // The same with the experts' weights at their precision (experts.hidden must be the
 // group's): blockwise FP8 (kFp8: the forward's GEMMs in FP8, with the weights' FP8 copies)
-// runs the chain's FP8 GEMMs on the received rows, each received token quantized once into
-// its rows here (the dispatch moves bf16 rows), and always the default path (neither the
-// epilogue combine nor the overlapped dispatch, which are bf16 only).
+// runs the chain's FP8 GEMMs on the received rows. Each rank quantizes its x once and the
+// dispatch moves the e4m3 rows and scales, which the owner copies into its sorted rows
+// (with Group::fp8_bf16_dispatch: the bf16 rows, each received token quantized once into
+// its rows on the owner; the same bits). Always the default path (neither the epilogue
+// combine nor the overlapped dispatch, which are bf16 only).
 void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
              const float* topk_weights, const chain::Experts& experts, int64_t T,
              __nv_bfloat16* y, __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,

@@ -44,6 +44,9 @@ BufferLayout buffer_layout(const Group& g) {
   b.control = c.take_bytes(comm::ControlLayout::bytes(g.num_experts));
   b.error = c.take_bytes(i32);
   b.recv_x = c.take_bytes(tokens * H * bf16);
+  // The e4m3 rows' W T H bytes are a multiple of 128: the scales start aligned.
+  b.recv_x_scales = b.recv_x + static_cast<size_t>(tokens * H);
+  b.recv_x_scale_ld = chain::fp8_scale_ld(tokens);
   b.recv_dy = c.take_bytes(tokens * H * bf16);
   b.recv_token_count = c.take_bytes(comm::kMaxRanks * i32);
   b.recv_token_source = c.take_bytes(tokens * i32);
@@ -96,6 +99,10 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
                                        pass == Pass::kBackwardSavedH, precision);
   }
   if (fp8_rows) w.fp8_slot_row = c.take<int32_t>(received_tokens * g.topk);
+  if (pass == Pass::kForward && precision == chain::Precision::kFp8 && !g.fp8_bf16_dispatch) {
+    w.fp8_dispatch = true;
+    w.x_fp8_tokens = chain::carve_fp8_rows(c, T, g.hidden);
+  }
   return w;
 }
 

@@ -35,6 +35,11 @@ struct Group {
   // then on the peers' rows (docs/expert-parallel.md, "Forward overlap" (b)). Every rank of a
   // group must agree, and call with saved h all alike (the layout follows it).
   bool overlap_dispatch = false;
+  // The FP8 forward dispatches bf16 x rows and each owner quantizes the tokens it received,
+  // instead of each rank quantizing its x once and dispatching e4m3 rows with their scales
+  // (half the bytes). The same bits; kept for an A/B on the GPUs. Every rank of a group must
+  // agree (the owner reads what the sources send).
+  bool fp8_bf16_dispatch = false;
 };
 
 // Throws INVALID_ARGUMENT for a group the layer cannot run (rank, buffers, sizes).
@@ -48,6 +53,12 @@ constexpr int kCopyBatch = 4;      // 16-byte loads a lane has in flight before 
 // them by. W ranks, T = max_tokens, R = max_recv_rows.
 struct BufferLayout {
   size_t recv_x;             // bf16 [W * T, H] received tokens, a section per source
+  // The FP8 forward's quantized dispatch keeps the received tokens in recv_x's bytes as
+  // e4m3 [W * T, H] (from recv_x on) with their 1x128 scales, fp32 [H / 128, recv_x_scale_ld]
+  // (the scale of token i's block j at [j * recv_x_scale_ld + i]) from recv_x_scales on:
+  // W T H (1 + 4 / 128) bytes at most, within recv_x's 2 W T H.
+  size_t recv_x_scales;
+  int64_t recv_x_scale_ld;   // chain::fp8_scale_ld(W * T)
   size_t recv_dy;            // bf16 [W * T, H] their dy rows (backward)
   size_t recv_token_count;   // int32 [8] tokens received from each source in this call
   size_t recv_token_source;  // int32 [W * T] each received token's index on its source
@@ -103,6 +114,11 @@ struct CallWorkspace {
   // received tokens' slot rows of this call (recv_slot_row, -1 past each source's count),
   // by which the chain writes each received token's e4m3 row to its rows.
   int32_t* fp8_slot_row;
+  // The kFp8 forward's quantized dispatch (unless Group::fp8_bf16_dispatch): this rank's x
+  // quantized once, e4m3 [T, H] with 1x128 scales, whose rows the dispatch sends instead of
+  // x's (into recv_x / recv_x_scales); the owner's chain copies them into its sorted rows.
+  bool fp8_dispatch = false;
+  chain::Fp8Rows x_fp8_tokens;
 };
 // For T tokens on this rank, intermediate size I and the call's precision (kFp8Backward's
 // forward is the bf16 one); the size query carves with a counting carver.

@@ -27,7 +27,9 @@ void fill_identity(const Call& c, int32_t* out, int64_t n, cudaStream_t stream);
 enum class DispatchPart : int32_t { kAll, kSelf, kPeers };
 
 // ep_dispatch.cu, step 4: each token's x row (and dy row, unless null) once to every rank
-// that owns one of its experts, with its slots' rows, router weights and token there.
+// that owns one of its experts, with its slots' rows, router weights and token there. With
+// c.w.fp8_dispatch (the FP8 forward), the token's e4m3 row and scales from
+// c.w.x_fp8_tokens (written on `stream` before) instead of its x row.
 // Nothing is sent when the call is skipped. blocks: the grid (0: c.copy_blocks).
 void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,

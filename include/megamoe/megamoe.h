@@ -355,12 +355,16 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
  * are those of this rank's experts, as megamoe_quantize_fp8_128x128 writes them:
  * w_gate_up_q [E/W, 2I, H], w_gate_up_q_t [E/W, H, 2I], w_gate_up_scales
  * [E/W, 2I/128, H/128]; w_down_q [E/W, H, I], w_down_q_t [E/W, I, H], w_down_scales
- * [E/W, H/128, I/128]. The dispatch moves the tokens' bf16 rows (the backward's weight
- * gradients quantize their operands per 128 tokens from them); each owner quantizes a
- * received token once into its rows there. d_topk_weights and the weight gradients are
- * bitwise equal to megamoe_fused_fp8_backward's on the same global problem; y and dx differ
- * from megamoe_fused_fp8_* by the owners' bf16 partial sums, as in bf16. The forward runs the
- * default path whatever MEGAMOE_EP_EPILOGUE_COMBINE and MEGAMOE_EP_OVERLAP_DISPATCH say. */
+ * [E/W, H/128, I/128]. The forward quantizes x once on each rank and its dispatch moves the
+ * tokens' e4m3 rows and 1x128 scales (half the bytes of bf16); the backward's dispatch
+ * moves bf16 rows (its weight gradients quantize their operands per 128 tokens from them),
+ * which each owner quantizes once per received token. d_topk_weights and the weight
+ * gradients are bitwise equal to megamoe_fused_fp8_backward's on the same global problem; y
+ * and dx differ from megamoe_fused_fp8_* by the owners' bf16 partial sums, as in bf16. The
+ * forward runs the default path whatever MEGAMOE_EP_EPILOGUE_COMBINE and
+ * MEGAMOE_EP_OVERLAP_DISPATCH say. MEGAMOE_EP_FP8_BF16_DISPATCH=1 in the environment (read
+ * when a group is used, the same on every rank) makes the forward move bf16 rows and the
+ * owners quantize them, for an A/B: the same bits, a smaller workspace. */
 MEGAMOE_API megamoe_status megamoe_ep_fp8_workspace_size(const megamoe_ep_group* group,
                                                          int64_t tokens, int64_t intermediate,
                                                          size_t* bytes);

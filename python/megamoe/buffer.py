@@ -24,6 +24,9 @@ from .errors import MegaMoEError
 MAX_RANKS = _lib.MAX_RANKS
 _BUFFERS: dict[int, "Buffer"] = {}  # by id, for the custom op (it takes ints, not objects)
 _IDS = itertools.count(1)
+# The environment switches of the EP forward's paths that every rank must agree on.
+_SWITCHES = ("MEGAMOE_EP_EPILOGUE_COMBINE", "MEGAMOE_EP_OVERLAP_DISPATCH",
+             "MEGAMOE_EP_FP8_BF16_DISPATCH")
 
 
 class Buffer:
@@ -57,11 +60,10 @@ class Buffer:
             raise MegaMoEError(f"Buffer: num_comm_sms must be a positive int or None (every SM), "
                                f"got {num_comm_sms!r}")
         settings = (max_tokens_per_rank, hidden, intermediate, num_experts, topk, max_recv_rows)
-        # The forward's path switches (docs/expert-parallel.md, "Forward overlap"): the C
-        # library reads them from the environment, and ranks that disagree would lay out
-        # and expect rows differently.
-        switches = tuple(os.environ.get(name, "") not in ("", "0") for name in
-                         ("MEGAMOE_EP_EPILOGUE_COMBINE", "MEGAMOE_EP_OVERLAP_DISPATCH"))
+        # The forward's path switches (docs/expert-parallel.md, "Forward overlap" and
+        # "Blockwise FP8 under EP"): the C library reads them from the environment, and
+        # ranks that disagree would lay out, send and expect rows differently.
+        switches = tuple(os.environ.get(name, "") not in ("", "0") for name in _SWITCHES)
         gathered = [None] * world
         dist.all_gather_object(gathered, (settings, switches), group=group)
         for other, (theirs, their_switches) in enumerate(gathered):
@@ -70,9 +72,9 @@ class Buffer:
                                    f"intermediate, num_experts, topk, max_recv_rows) = {settings}, "
                                    f"rank {other} has {theirs}; every rank must agree")
             if their_switches != switches:
-                raise MegaMoEError(f"Buffer: rank {rank} has (MEGAMOE_EP_EPILOGUE_COMBINE, "
-                                   f"MEGAMOE_EP_OVERLAP_DISPATCH) = {switches}, rank {other} "
-                                   f"has {their_switches}; every rank must agree")
+                raise MegaMoEError(f"Buffer: rank {rank} has ({', '.join(_SWITCHES)}) = "
+                                   f"{switches}, rank {other} has {their_switches}; every "
+                                   "rank must agree")
         self.group, self.rank, self.world_size = group, rank, world
         self.max_tokens_per_rank, self.hidden, self.intermediate = settings[:3]
         self.num_experts, self.topk, self.max_recv_rows = settings[3:]

@@ -9,10 +9,11 @@
 //     within 5e-3 (one bf16 rounding per owner rank), and the forward against the float64
 //     CPU reference;
 //   - its own first call: later calls on the same buffers bitwise equal.
-// With epilogue_combine_ or overlap_dispatch_ set before prepare(), every EP=W group runs
-// the forward's epilogue combine or its dispatch beside the own rows' chain (the Group
-// fields of the same names); the EP=1 references stay on the default path, so the
-// comparisons above also say that the paths give the same bits.
+// With epilogue_combine_, overlap_dispatch_ or fp8_bf16_dispatch_ set before prepare(),
+// every EP=W group runs the forward's epilogue combine, its dispatch beside the own rows'
+// chain, or (FP8) its bf16 dispatch (the Group fields of the same names); the EP=1
+// references stay on the default path, so the comparisons above also say that the paths give
+// the same bits.
 // Owner o's partial row of a token is the sum over its slots on o, rounded once to bf16:
 // what the EP=1 layer gives with every slot on another rank's expert set to -1 (a row's
 // GEMM results do not depend on the other rows). The source sums the partials in rank order
@@ -163,6 +164,7 @@ class EpLayerTest : public RanksTest {
     group_.comm_sms = comm_sms;
     group_.epilogue_combine = epilogue_combine_;
     group_.overlap_dispatch = overlap_dispatch_;
+    group_.fp8_bf16_dispatch = fp8_bf16_dispatch_;
     group_.peers.world_size = W;
     tables_ = make_tables(ep_buffer_bytes(group_));
 
@@ -297,6 +299,7 @@ class EpLayerTest : public RanksTest {
     g.comm_sms = 0;
     g.epilogue_combine = epilogue_combine;
     g.overlap_dispatch = overlap_dispatch;
+    g.fp8_bf16_dispatch = false;  // the FP8 forward's default (quantized) dispatch
     g.peers.buffers[0] = static_cast<char*>(alloc_on(0, ep_buffer_bytes(g)));
     const auto bf16 = [](void* p) { return static_cast<__nv_bfloat16*>(p); };
     const auto* x = bf16(upload_on(0, x_));
@@ -519,6 +522,7 @@ class EpLayerTest : public RanksTest {
   }
   bool epilogue_combine_ = false;
   bool overlap_dispatch_ = false;
+  bool fp8_bf16_dispatch_ = false;  // the EP=W groups' Group::fp8_bf16_dispatch
   Problem p_;
   int64_t tokens_ = 0, e_local_ = 0;
   std::vector<uint16_t> x_, w1_, w2_, dy_;

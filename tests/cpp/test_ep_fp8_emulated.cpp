@@ -10,7 +10,10 @@
 //     partial sum is the only difference from one GPU, as in bf16);
 //   - its own first call: a second call on the same buffers bitwise equal.
 // Each rank's FP8 weight copies are its experts' part of what the quantizer makes of the
-// global weights (128 x 128 blocks never cross experts).
+// global weights (128 x 128 blocks never cross experts). "fp8" runs twice: with the default
+// dispatch (x quantized on its rank, e4m3 rows and scales moved) and with the bf16 one
+// (Group::fp8_bf16_dispatch: the owner quantizes the bf16 rows it receives); the EP=1
+// references always take the default one, so both must give its bits.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -34,12 +37,20 @@ struct Fp8Copy {
   void *q = nullptr, *q_t = nullptr, *scales = nullptr;
 };
 
-// Parameters: the emulated world size; the forward in FP8 ("fp8") or bf16 ("fp8_bwd").
+// The precision, and for "fp8" the forward's dispatch.
+enum Fp8Case { kFp8 = 0, kFp8Bwd = 1, kFp8Bf16Dispatch = 2 };
+const char* const kFp8CaseNames[] = {"Fp8", "Fp8Bwd", "Fp8_Bf16Dispatch"};
+
+// Parameters: the emulated world size, the case.
 class EpFp8Emulated : public megamoe_test::EpLayerTest,
-                      public ::testing::WithParamInterface<std::tuple<int, bool>> {
+                      public ::testing::WithParamInterface<std::tuple<int, int>> {
  protected:
-  void SetUp() override { emulate(std::get<0>(GetParam())); }
-  bool forward_fp8() const { return std::get<1>(GetParam()); }
+  void SetUp() override {
+    fp8_bf16_dispatch_ = std::get<1>(GetParam()) == kFp8Bf16Dispatch;
+    emulate(std::get<0>(GetParam()));
+  }
+  // The forward in FP8 ("fp8") or bf16 ("fp8_bwd").
+  bool forward_fp8() const { return std::get<1>(GetParam()) != kFp8Bwd; }
   Precision precision() const { return forward_fp8() ? Precision::kFp8 : Precision::kFp8Backward; }
 
   Fp8Copy quantize(const void* w, int64_t E, int64_t N, int64_t K) {
@@ -279,10 +290,11 @@ TEST_P(EpFp8Emulated, EveryTokenOnOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EpFp8Emulated,
-                         ::testing::Combine(::testing::Values(2, 8), ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& info) {
-                           return "EP" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) ? "_Fp8" : "_Fp8Bwd");
+                         ::testing::Combine(::testing::Values(2, 8),
+                                            ::testing::Values(kFp8, kFp8Bwd, kFp8Bf16Dispatch)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
+                           return "EP" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  kFp8CaseNames[std::get<1>(info.param)];
                          });
 
 }  // namespace

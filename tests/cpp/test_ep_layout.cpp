@@ -52,6 +52,30 @@ std::string name_of(const Sizes& s) {
          std::to_string(s.H) + " R=" + std::to_string(s.R);
 }
 
+// The pieces of a call's workspace that every pass and precision carves: the routing plans
+// and the exchange's bookkeeping.
+void add_plan_pieces(Pieces& pieces, const megamoe::ep::CallWorkspace& w, const Sizes& s,
+                     int64_t T) {
+  const int64_t W = s.world, e_local = s.E / W;
+  const auto& plan = w.local.plan;
+  pieces.add("expert_counts", plan.expert_counts, s.E * 4);
+  pieces.add("expert_offsets", plan.expert_offsets, (s.E + 1) * 4);
+  pieces.add("tile_offsets", plan.tile_offsets, (s.E + 1) * 4);
+  pieces.add("row_token", plan.row_token, T * s.k * 4);
+  pieces.add("row_slot", plan.row_slot, T * s.k * 4);
+  pieces.add("slot_row", plan.slot_row, T * s.k * 4);
+  pieces.add("invalid_count", plan.invalid_count, 4);
+  pieces.add("plan scratch", w.local.scratch, megamoe::routing_plan_scratch_bytes(T * s.k, s.E));
+  pieces.add("recv_expert_offsets", w.recv_expert_offsets, (e_local + 1) * 4);
+  pieces.add("recv_tile_offsets", w.recv_tile_offsets, (e_local + 1) * 4);
+  pieces.add("send_base", w.send_base, s.E * 4);
+  pieces.add("skip", w.skip, 4);
+  pieces.add("token_pos", w.token_pos, T * W * 4);
+  pieces.add("token_count", w.token_count, megamoe::comm::kMaxRanks * 4);
+  pieces.add("block_counts", w.block_counts,
+             (T + megamoe::ep::kPlanThreads - 1) / megamoe::ep::kPlanThreads * W * 4);
+}
+
 TEST(EpLayout, BufferAreasAreDisjointAndSized) {
   for (const Sizes& s : kShapes) {
     SCOPED_TRACE(name_of(s));
@@ -112,24 +136,9 @@ TEST(EpLayout, CallWorkspaceOfEveryPass) {
           EXPECT_EQ(reported, c.bytes());
 
           Pieces pieces(kFakeBase, c.bytes());
-          const auto& plan = w.local.plan;
-          pieces.add("expert_counts", plan.expert_counts, s.E * 4);
-          pieces.add("expert_offsets", plan.expert_offsets, (s.E + 1) * 4);
-          pieces.add("tile_offsets", plan.tile_offsets, (s.E + 1) * 4);
-          pieces.add("row_token", plan.row_token, T * s.k * 4);
-          pieces.add("row_slot", plan.row_slot, T * s.k * 4);
-          pieces.add("slot_row", plan.slot_row, T * s.k * 4);
-          pieces.add("invalid_count", plan.invalid_count, 4);
-          pieces.add("plan scratch", w.local.scratch,
-                     megamoe::routing_plan_scratch_bytes(T * s.k, s.E));
-          pieces.add("recv_expert_offsets", w.recv_expert_offsets, (e_local + 1) * 4);
-          pieces.add("recv_tile_offsets", w.recv_tile_offsets, (e_local + 1) * 4);
-          pieces.add("send_base", w.send_base, s.E * 4);
-          pieces.add("skip", w.skip, 4);
-          pieces.add("token_pos", w.token_pos, T * W * 4);
-          pieces.add("token_count", w.token_count, megamoe::comm::kMaxRanks * 4);
-          pieces.add("block_counts", w.block_counts,
-                     (T + megamoe::ep::kPlanThreads - 1) / megamoe::ep::kPlanThreads * W * 4);
+          add_plan_pieces(pieces, w, s, T);
+          EXPECT_EQ(w.fp8_slot_row, nullptr);
+          EXPECT_FALSE(w.fp8_dispatch);
           if (pass == Pass::kForward) {
             pieces.add("activation", w.forward.activation, R * I * 2);
             pieces.add("out", w.forward.out, R * s.H * 2);
@@ -152,6 +161,89 @@ TEST(EpLayout, CallWorkspaceOfEveryPass) {
             EXPECT_EQ(w.forward.out, nullptr);
           }
           pieces.check();
+        }
+      }
+    }
+  }
+}
+
+// The FP8 forward's quantized dispatch keeps the received tokens' e4m3 rows and their scales
+// in recv_x's bytes (ep_layout.h).
+TEST(EpLayout, QuantizedTokensFitInRecvX) {
+  for (const Sizes& s : kShapes) {
+    SCOPED_TRACE(name_of(s));
+    const megamoe::ep::BufferLayout b = megamoe::ep::buffer_layout(group_of(s));
+    const int64_t tokens = s.world * s.max_tokens;
+    EXPECT_EQ(b.recv_x_scales, b.recv_x + tokens * s.H) << "the scales follow the e4m3 rows";
+    EXPECT_EQ(b.recv_x_scales % 16, 0u);
+    EXPECT_EQ(b.recv_x_scale_ld, megamoe::chain::fp8_scale_ld(tokens));
+    EXPECT_GE(b.recv_x_scale_ld, tokens);
+    EXPECT_EQ(b.recv_x_scale_ld % 4, 0);
+    EXPECT_LE(b.recv_x_scales + s.H / 128 * b.recv_x_scale_ld * 4,
+              b.recv_x + static_cast<size_t>(tokens * s.H * 2))
+        << "the scales end past recv_x";
+  }
+}
+
+// A call's workspace at the FP8 precisions: counted and carved alike, what the size functions
+// report, and the FP8 pieces of the EP layer (the received tokens' slot rows; the forward's x
+// quantized for the dispatch, unless Group::fp8_bf16_dispatch) disjoint from the others.
+TEST(EpLayout, Fp8CallWorkspace) {
+  using megamoe::chain::Precision;
+  for (const Sizes& s : kShapes) {
+    for (const int64_t T : {int64_t{0}, s.max_tokens}) {
+      for (const Precision precision : {Precision::kFp8, Precision::kFp8Backward}) {
+        for (const bool bf16_dispatch : {false, true}) {
+          SCOPED_TRACE(name_of(s) + " tokens=" + std::to_string(T) +
+                       (precision == Precision::kFp8 ? " fp8" : " fp8_bwd") +
+                       (bf16_dispatch ? " bf16 dispatch" : ""));
+          megamoe::ep::Group g = group_of(s);
+          g.fp8_bf16_dispatch = bf16_dispatch;
+          const int64_t I = 256, W = s.world, R = s.R;
+          for (const Pass pass : {Pass::kForward, Pass::kBackward, Pass::kBackwardSavedH}) {
+            WorkspaceCarver counting;
+            megamoe::ep::carve_call(counting, g, T, I, pass, precision);
+            WorkspaceCarver c(kFakeBase, counting.bytes());
+            const megamoe::ep::CallWorkspace w = megamoe::ep::carve_call(c, g, T, I, pass, precision);
+            EXPECT_EQ(c.bytes(), counting.bytes());
+            const size_t reported =
+                pass == Pass::kForward
+                    ? megamoe::ep::forward_workspace_bytes(g, T, I, precision)
+                    : megamoe::ep::backward_workspace_bytes(g, T, I, pass == Pass::kBackwardSavedH,
+                                                            precision);
+            EXPECT_EQ(reported, c.bytes());
+
+            Pieces pieces(kFakeBase, c.bytes());
+            add_plan_pieces(pieces, w, s, T);
+            const bool fp8_rows = pass != Pass::kForward || precision == Precision::kFp8;
+            if (fp8_rows) {
+              pieces.add("fp8_slot_row", w.fp8_slot_row, W * s.max_tokens * s.k * 4);
+            } else {
+              EXPECT_EQ(w.fp8_slot_row, nullptr);
+            }
+            const bool quantized =
+                pass == Pass::kForward && precision == Precision::kFp8 && !bf16_dispatch;
+            EXPECT_EQ(w.fp8_dispatch, quantized);
+            if (quantized) {
+              EXPECT_EQ(w.x_fp8_tokens.scale_ld, megamoe::chain::fp8_scale_ld(T));
+              pieces.add("x_fp8_tokens.q", w.x_fp8_tokens.q, T * s.H);
+              pieces.add("x_fp8_tokens.scales", w.x_fp8_tokens.scales,
+                         s.H / 128 * w.x_fp8_tokens.scale_ld * 4);
+            } else {
+              EXPECT_EQ(w.x_fp8_tokens.q, nullptr);
+            }
+            if (pass == Pass::kForward) {
+              pieces.add("activation", w.forward.activation, R * I * 2);
+              pieces.add("out", w.forward.out, R * s.H * 2);
+            } else {
+              const int64_t P = megamoe::padded_rows_bound(R, s.E / W);
+              pieces.add("identity", w.identity, R * 4);
+              pieces.add("dp_rows", w.dp_rows, R * 4);
+              pieces.add("dh", w.backward.dh, P * 2 * I * 2);
+              pieces.add("token_rows", w.backward.token_rows, P * s.H * 2);
+            }
+            pieces.check();
+          }
         }
       }
     }
