@@ -1,6 +1,8 @@
-"""Runs ep_check.py under torchrun: float32 over gloo on the CPU always, bf16 over NCCL
-when this machine has two or more GPUs; and ep_one_rank_check.py (the fused EP ops at every
-precision on a one-rank group) on one GPU."""
+"""Runs ep_check.py under torchrun: float32 over gloo on the CPU always; when this machine
+has two or more GPUs, the torch backend in bf16 over NCCL and the fused backend over a
+megamoe.Buffer at every precision (with a CUDA-graph replay; "fp8" also with the forward's
+bf16 dispatch, MEGAMOE_EP_FP8_BF16_DISPATCH=1); and ep_one_rank_check.py (the fused EP ops
+at every precision on a one-rank group) on one GPU."""
 
 import os
 import subprocess
@@ -11,11 +13,12 @@ import pytest
 import torch
 
 
-def _run_ep_check(*extra):
+def _run_ep_check(*extra, env=None):
     script = Path(__file__).with_name("ep_check.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--standalone", str(script), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ.copy())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **(env or {})})
     print(proc.stdout[-20000:])
     print(proc.stderr[-5000:], file=sys.stderr)
     assert proc.returncode == 0, "EP check failed (see output)"
@@ -31,6 +34,17 @@ def test_torch_backend_ep2_matches_ep1_on_cpu():
                     reason="needs two or more CUDA GPUs")
 def test_torch_backend_ep2_matches_ep1_on_gpus():
     _run_ep_check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two or more CUDA GPUs")
+@pytest.mark.parametrize("precision,env", [
+    ("bf16", {}), ("fp8", {}), ("fp8_bwd", {}),
+    ("fp8", {"MEGAMOE_EP_FP8_BF16_DISPATCH": "1"}),
+], ids=["bf16", "fp8", "fp8_bwd", "fp8-bf16-dispatch"])
+def test_fused_backend_ep2_matches_the_one_gpu_layer(precision, env):
+    _run_ep_check("--backend", "fused", "--precision", precision, "--graph", env=env)
 
 
 @pytest.mark.gpu
