@@ -385,8 +385,6 @@ TEST(QuantizeFp8SortedRowsErrors, NeedsDestinations) {
   int32_t dest = 0;  // never read: the checks throw first
   expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, {&dest, 0}, nullptr); },
                  "dests.per_row must be at least 1");
-  expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, {&dest, 65537}, nullptr); },
-                 "dests.per_row must be at most 65536");
   a.cols = 100;
   expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, {&dest, 2}, nullptr); },
                  "cols must be a positive multiple of 128");

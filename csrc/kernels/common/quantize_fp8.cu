@@ -46,10 +46,10 @@ __device__ __forceinline__ uint32_t mask_nan(uint32_t q, uint32_t nan_bytes) {
 }
 
 // Thread (rg, cg) holds rows 8 rg .. 8 rg + 7 of a tile, as do the other 15 lanes of its
-// half-warp. The per-row indices of a gathered row (its token and slot) are fetched one per
-// lane and shuffled to the half-warp where used: lane cg holds those of row cg % 8;
-// row_lane(i) is the lane holding row i's. One register per index instead of eight, each
-// half-warp's index loads coalesced.
+// half-warp. The per-row indices (a gathered row's token and slot, a row's destinations)
+// are fetched one per lane and shuffled to the half-warp where used: lane cg holds those of
+// row cg % 8, or entry cg of each row's destinations; row_lane(i) is the lane holding entry
+// i. One register per index instead of eight, each half-warp's index loads coalesced.
 __device__ __forceinline__ int row_lane(int i) { return (threadIdx.x % 32 & 16) + i; }
 
 // The shared memory of one tile: the transposed e4m3 values, the column maxima per warp
@@ -89,51 +89,23 @@ __device__ __forceinline__ void load_rows(const Fp8QuantizeArgs& a, const TilePo
   }
 }
 
-// ---- quantize_fp8_to_rows: a tile's e4m3 rows and scales are staged in shared memory and
-// copied from there to their destinations, 16 bytes a lane: the (row, destination) pairs
-// of the tile are consecutive entries of dests.rows, so the CTA reads them coalesced and
-// needs no shuffles, and every store writes eight lanes' 128 bytes of one row.
+// ---- quantize_fp8_to_rows: where each row goes.
 
-// A tile's staged rows (row-major, 128 bytes each) and their scales, twice: tile n + 1 is
-// staged while tile n's copies may still be read, and tile n + 2 reuses tile n's buffer
-// only past tile n + 1's barrier, which follows every read of tile n's.
-struct RowsStage {
-  alignas(16) uint8_t q[2][kTile * kTile];
-  float scale[2][kTile];
-};
+// Entry j of row `row`'s destinations, -1 for none (a negative entry, j >= per_row, or a
+// row from `rows` on).
+__device__ __forceinline__ int32_t dest_entry(const Fp8RowDests& dests, int64_t rows,
+                                              int64_t row, int64_t j) {
+  return j < dests.per_row && row < rows ? __ldg(&dests.rows[row * dests.per_row + j]) : -1;
+}
 
-// 16-byte pieces a thread copies per step of the copy loop: its destination loads are in
-// flight together.
-constexpr int kCopyUnroll = 8;
-
-// Copies staged tile t (buffer `buf`) to every destination of its rows. Call after the
-// barrier that follows the staging.
-__device__ __forceinline__ void copy_tile_to_dests(const Fp8QuantizeArgs& a, const TilePos& t,
-                                                   const Fp8RowDests& dests,
-                                                   const RowsStage& st, int buf) {
-  constexpr uint32_t kPieces = kTile / 16;  // per row
-  // 32-bit indices: a tile has at most 128 * per_row pairs (per_row is a top-k).
-  const uint32_t per_row = static_cast<uint32_t>(dests.per_row);
-  const uint32_t pairs = static_cast<uint32_t>(min(int64_t(kTile), a.rows - t.row0)) * per_row;
-  const int32_t* pair_dest = dests.rows + t.row0 * dests.per_row;
-  uint8_t* qb = a.q + t.b * a.q_batch + t.col0;
-  float* sb = a.scales + t.b * a.s_batch + t.tj * a.s_1;
-  for (uint32_t base = 0; base < pairs * kPieces; base += kThreads * kCopyUnroll) {
-    int32_t dest[kCopyUnroll];
+// Entry cg of the destinations of each of this thread's rows: all of them for per_row <=
+// 16, the first 16 otherwise (the others are read where used).
+__device__ __forceinline__ void load_dests(const Fp8RowDests& dests, int64_t rows,
+                                           const TilePos& t, int32_t (&d)[kRowsPerThread]) {
+  const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const uint32_t pair = (base + u * kThreads + threadIdx.x) / kPieces;
-      dest[u] = pair < pairs ? __ldg(&pair_dest[pair]) : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      if (dest[u] < 0) continue;
-      const uint32_t item = base + u * kThreads + threadIdx.x;
-      const uint32_t piece = item % kPieces, row = item / kPieces / per_row;
-      *reinterpret_cast<uint4*>(qb + dest[u] * a.q_row + 16 * piece) =
-          *reinterpret_cast<const uint4*>(&st.q[buf][row * kTile + 16 * piece]);
-      if (piece == 0) sb[dest[u] * a.s_0] = st.scale[buf][row];
-    }
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    d[i] = dest_entry(dests, rows, t.row0 + kRowsPerThread * rg + i, cg);
   }
 }
 
@@ -198,8 +170,8 @@ __device__ __forceinline__ void scale_gathered(const Fp8PaddedSource& p, const G
   }
 }
 
-// ---- One tile, loaded: its blocks' scales, the e4m3 values written directly (with kToRows,
-// staged in buffer `buf` of a RowsStage instead) and/or transposed (through shared memory, as 8 x 8
+// ---- One tile, loaded: its blocks' scales, the e4m3 values written directly (to the rows
+// `d` and `dests` give with kToRows) and/or transposed (through shared memory, as 8 x 8
 // byte blocks transposed in registers; 8-byte chunks XOR-swizzled by column group so that
 // both the stores and the 16-byte reads are free of bank conflicts).
 //
@@ -208,11 +180,12 @@ __device__ __forceinline__ void scale_gathered(const Fp8PaddedSource& p, const G
 // follows every read of it for this one. partial_max, read before this tile's second
 // barrier, is written after its third; column_r (read before the third) and staged (read
 // after it) are written after the next tile's first.
-template <Fp8Blocks kBlocks, bool kToRows, typename Smem>
+template <Fp8Blocks kBlocks, bool kToRows>
 __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const TilePos& t,
-                                              const uint4 (&v)[kRowsPerThread], Smem& sm,
-                                              int buf = 0) {
-  static_assert(std::is_same_v<Smem, std::conditional_t<kToRows, RowsStage, TileSmem>>);
+                                              const uint4 (&v)[kRowsPerThread],
+                                              const Fp8RowDests& dests,
+                                              const int32_t (&d)[kRowsPerThread],
+                                              TileSmem& sm) {
   const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t ti = t.ti, tj = t.tj, row0 = t.row0, col0 = t.col0;
@@ -230,7 +203,14 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
       qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
       const int64_t row = row0 + kRowsPerThread * rg + i;
       if constexpr (kToRows) {
-        if (cg == 0) sm.scale[buf][kRowsPerThread * rg + i] = s.scale;
+        // Every lane writes the scale of its destination entries of the row.
+        const auto write = [&](int32_t dest) {
+          if (dest >= 0) scales[dest * a.s_0 + tj * a.s_1] = s.scale;
+        };
+        write(d[i]);
+        for (int64_t j0 = kColGroups; j0 < dests.per_row; j0 += kColGroups) {
+          write(dest_entry(dests, a.rows, row, j0 + cg));
+        }
       } else if (cg == 0 && row < a.rows) {
         scales[row * a.s_0 + tj * a.s_1] = s.scale;
       }
@@ -305,15 +285,23 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
       const uint2 q = make_uint2(qlo[i], qhi[i]);
       const int64_t row = row0 + kRowsPerThread * rg + i;
       if constexpr (kToRows) {
-        *reinterpret_cast<uint2*>(&sm.q[buf][(kRowsPerThread * rg + i) * kTile + 8 * cg]) = q;
+        // The half-warp writes the row to each destination in turn, entry j from lane j.
+        // (Uniform loops: every lane shuffles, rows past a.rows have no destinations.)
+        for (int64_t j0 = 0; j0 < dests.per_row; j0 += kColGroups) {
+          const int32_t mine = j0 == 0 ? d[i] : dest_entry(dests, a.rows, row, j0 + cg);
+          const int n = static_cast<int>(min(int64_t(kColGroups), dests.per_row - j0));
+          for (int j = 0; j < n; ++j) {
+            const int32_t dest = __shfl_sync(~0u, mine, row_lane(j));
+            if (dest >= 0) *reinterpret_cast<uint2*>(qb + dest * a.q_row) = q;
+          }
+        }
       } else if (row < a.rows) {
         *reinterpret_cast<uint2*>(qb + row * a.q_row) = q;
       }
     }
   }
 
-  if constexpr (kBlocks != Fp8Blocks::kRows1x128) {
-    if (a.q_t == nullptr) return;
+  if (kBlocks != Fp8Blocks::kRows1x128 && a.q_t != nullptr) {
     // Column j of this thread's block: rows 0-3 in .x, rows 4-7 in .y.
     uint32_t c03_r03[4], c03_r47[4], c47_r03[4], c47_r47[4];
     transpose4x4(qlo[0], qlo[1], qlo[2], qlo[3], c03_r03);
@@ -360,9 +348,8 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
                         std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
   static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
   static_assert(!kGathered || (kBlocks == Fp8Blocks::kColumns128 && !kToRows));
-  // (kToRows: TileSmem's arrays are not used, and both would not fit in 48 KB of static
-  // shared memory.)
-  __shared__ std::conditional_t<kToRows, RowsStage, TileSmem> sm;
+  __shared__ TileSmem sm;
+  const int32_t no_dests[kRowsPerThread] = {};  // (for the kernels without destinations)
 
   if constexpr (kGathered) {
     const Fp8PaddedSource& p = dests;
@@ -387,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
       GatherRow g2;
       if (after < tiles) g2 = gather_row(p, a.rows, after % used);
       scale_gathered(p, g, w, v);
-      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, sm);
+      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm);
       if (next >= tiles) break;
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
@@ -401,19 +388,26 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
     int64_t tile = blockIdx.x;
     if (tile >= tiles) return;
     uint4 v[kRowsPerThread];
+    int32_t d[kRowsPerThread];
     TilePos pos = tile_pos(tile, row_tiles, col_tiles);
     load_rows(a, pos, v);
-    for (int buf = 0;; buf ^= 1) {
+    load_dests(dests, a.rows, pos, d);
+    for (;;) {
       const int64_t next = tile + stride;
       const TilePos npos = tile_pos(next, row_tiles, col_tiles);
       uint4 vn[kRowsPerThread];
-      if (next < tiles) load_rows(a, npos, vn);
-      quantize_tile<kBlocks, true>(a, pos, v, sm, buf);
-      __syncthreads();
-      copy_tile_to_dests(a, pos, dests, sm, buf);
+      int32_t dn[kRowsPerThread];
+      if (next < tiles) {
+        load_rows(a, npos, vn);
+        load_dests(dests, a.rows, npos, dn);
+      }
+      quantize_tile<kBlocks, true>(a, pos, v, dests, d, sm);
       if (next >= tiles) break;
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        v[i] = vn[i];
+        d[i] = dn[i];
+      }
       tile = next;
       pos = npos;
     }
@@ -422,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
     const TilePos pos = tile_pos(blockIdx.x, row_tiles, col_tiles);
     uint4 v[kRowsPerThread];
     load_rows(a, pos, v);
-    quantize_tile<kBlocks, false>(a, pos, v, sm);
+    quantize_tile<kBlocks, false>(a, pos, v, {}, no_dests, sm);
   }
 }
 
@@ -436,6 +430,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     quantize_fp8_rows_and_columns_kernel(Fp8QuantizeArgs rows, Fp8QuantizeArgs cols,
                                          int64_t row_tiles, int64_t col_tiles) {
   __shared__ TileSmem sm;
+  const int32_t no_dests[kRowsPerThread] = {};
   const int64_t tiles = rows.batches * row_tiles * col_tiles, stride = gridDim.x;
   int64_t tile = blockIdx.x;
   if (tile >= tiles) return;
@@ -447,8 +442,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const TilePos npos = tile_pos(next, row_tiles, col_tiles);
     uint4 vn[kRowsPerThread];
     if (next < tiles) load_rows(rows, npos, vn);
-    quantize_tile<Fp8Blocks::kRows1x128, false>(rows, pos, v, sm);
-    quantize_tile<Fp8Blocks::kColumns128, false>(cols, pos, v, sm);
+    quantize_tile<Fp8Blocks::kRows1x128, false>(rows, pos, v, {}, no_dests, sm);
+    quantize_tile<Fp8Blocks::kColumns128, false>(cols, pos, v, {}, no_dests, sm);
     if (next >= tiles) break;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
@@ -614,9 +609,7 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
 
 void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
                           cudaStream_t stream) {
-  // (The copy loop's 32-bit indices cover 128 * 8 * per_row pieces a tile.)
   if (dests.per_row < 1) fail("dests.per_row must be at least 1");
-  if (dests.per_row > 65536) fail("dests.per_row must be at most 65536");
   const unsigned grid = checked_grid(Fp8Blocks::kRows1x128, a, true);
   if (grid == 0) return;
   if (dests.rows == nullptr) fail("null dests.rows");

@@ -64,9 +64,8 @@ struct Fp8RowDests {
 
 // kRows1x128 with every row of x written to the rows `dests` gives it: each row read and
 // its scales computed once, however many rows it goes to; the same bits as quantize_fp8
-// followed by a copy of the rows. dests.per_row in [1, 65536]. A separate kernel, not a
-// branch of quantize_fp8's: the loop's registers would cost the plain kernel an occupancy
-// step.
+// followed by a copy of the rows. A separate kernel, not a branch of quantize_fp8's: the
+// loop's registers would cost the plain kernel an occupancy step.
 void quantize_fp8_to_rows(const Fp8QuantizeArgs& args, const Fp8RowDests& dests,
                           cudaStream_t stream);
 
