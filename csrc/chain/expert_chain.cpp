@@ -248,7 +248,8 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
 }
 
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
-             __nv_bfloat16* saved_h, cudaStream_t stream, const sm90::PeerRowsOut* l2_to_peers) {
+             __nv_bfloat16* saved_h, cudaStream_t stream, const sm90::PeerRowsOut* l2_to_peers,
+             bool with_l2) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_forward()) {
     if (l2_to_peers != nullptr) {
@@ -267,6 +268,7 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
                                          saved_h, stream);
       quantize_rows(b.activation, rows.rows, I, b.activation_fp8, stream);
     }
+    if (!with_l2) return;
     const sm90::MGroupedFp8A activation{b.activation_fp8.q, rows.rows, RowLayout::kSorted,
                                         nullptr, b.activation_fp8.scales,
                                         b.activation_fp8.scale_ld};
@@ -275,7 +277,7 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
     return;
   }
   forward_l1(rows, w, b, saved_h, stream);
-  forward_l2(rows, w, b, stream, l2_to_peers);
+  if (with_l2) forward_l2(rows, w, b, stream, l2_to_peers);
 }
 
 void forward_l1(const Rows& rows, const Experts& w, const ForwardBuffers& b,

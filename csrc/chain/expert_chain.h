@@ -147,9 +147,11 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
 // saved_h: null, or [rows, 2I] that receives h = [gate | up] for a backward in saved mode.
 // l2_to_peers: null, or (bf16 only) where L2 sends each output row instead of b.out (the
 // expert-parallel epilogue combine, sm90::m_grouped_gemm_nt_to_peers): the same bits.
+// with_l2 false: L1 only (saved_h's bits, b.out not written), for a forward whose output
+// is not wanted (the recompute of an activation-checkpointed region).
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
              __nv_bfloat16* saved_h, cudaStream_t stream,
-             const sm90::PeerRowsOut* l2_to_peers = nullptr);
+             const sm90::PeerRowsOut* l2_to_peers = nullptr, bool with_l2 = true);
 // The bf16 forward's two halves: L1 + SwiGLU into b.activation, and L2 from it, each over the
 // rows' plan only (activation rows outside it are neither written nor read). The
 // expert-parallel forward that overlaps its dispatch runs them on two plans over disjoint

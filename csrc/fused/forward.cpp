@@ -29,15 +29,16 @@ void check_forward_inputs(const megamoe_tensor* x, const megamoe_tensor* ids,
   require_dtype(*weights, "topk_weights", {MEGAMOE_DTYPE_FLOAT32, MEGAMOE_DTYPE_BFLOAT16});
   require_dtype(*wgu, "w_gate_up", {MEGAMOE_DTYPE_BFLOAT16});
   require_dtype(*wd, "w_down", {MEGAMOE_DTYPE_BFLOAT16});
-  require_dtype(*y, "y", {MEGAMOE_DTYPE_BFLOAT16});
+  if (y != nullptr) require_dtype(*y, "y", {MEGAMOE_DTYPE_BFLOAT16});
   const std::pair<const megamoe_tensor*, const char*> all[] = {
       {x, "x"}, {ids, "topk_ids"}, {weights, "topk_weights"}, {wgu, "w_gate_up"}, {wd, "w_down"},
       {y, "y"}};
   for (const auto& [t, name] : all) {
+    if (t == nullptr) continue;  // y: NULL with saved_h (checked by the caller)
     require_contiguous(*t, name);
     require_data(*t, name);
     require_device_memory(*t, name);
-    if (t != y) require_disjoint(*y, "y", *t, name);
+    if (y != nullptr && t != y) require_disjoint(*y, "y", *t, name);
     if (saved_h != nullptr) require_disjoint(*saved_h, "saved_h", *t, name);
   }
   if (saved_h != nullptr) {
@@ -58,7 +59,11 @@ void run_forward(const megamoe_tensor* x, const megamoe_tensor* topk_ids,
                  void* workspace, size_t workspace_bytes, void* cuda_stream,
                  const Fp8Experts& fp8) {
   const LayerShape s = check_layer_shapes(x, topk_ids, topk_weights, w_gate_up, w_down);
-  check_token_rows(y, "y", s);
+  if (y == nullptr && saved_h == nullptr) {
+    throw_invalid("y: expected a tensor, got NULL (NULL only with saved_h, which is then all "
+                  "the call computes)");
+  }
+  if (y != nullptr) check_token_rows(y, "y", s);
   if (saved_h != nullptr) check_saved_h(*saved_h, s);
   check_forward_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, y, saved_h);
   forward(static_cast<const __nv_bfloat16*>(x->data), topk_ids->data,
@@ -66,7 +71,7 @@ void run_forward(const megamoe_tensor* x, const megamoe_tensor* topk_ids,
           topk_weights->dtype == MEGAMOE_DTYPE_BFLOAT16,
           static_cast<const __nv_bfloat16*>(w_gate_up->data),
           static_cast<const __nv_bfloat16*>(w_down->data), s.T, s.k, s.H, s.I, s.E,
-          static_cast<__nv_bfloat16*>(y->data),
+          y != nullptr ? static_cast<__nv_bfloat16*>(y->data) : nullptr,
           saved_h != nullptr ? static_cast<__nv_bfloat16*>(saved_h->data) : nullptr, workspace,
           workspace_bytes, static_cast<cudaStream_t>(cuda_stream), fp8);
 }

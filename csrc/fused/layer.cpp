@@ -125,9 +125,12 @@ void forward(const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
   const RoutingPlan& plan = w.plan.plan;
   build_routing_plan(topk_ids, ids_are_int64, T, k, E, sm90::kGemmBlockM, plan,
                      w.plan.scratch, stream);
-  // The forward reads no router weight: they are applied by the combine.
+  // The forward reads no router weight: they are applied by the combine. Without y, only
+  // what saved_h needs (L1): L2 and the combine make y alone.
   chain::forward(rows_of(plan, T, k, E, x, nullptr, nullptr),
-                 experts_of(w_gate_up, w_down, H, I, fp8), w.forward, saved_h, stream);
+                 experts_of(w_gate_up, w_down, H, I, fp8), w.forward, saved_h, stream, nullptr,
+                 y != nullptr);
+  if (y == nullptr) return;
   combine_rows(w.forward.out, H, plan.slot_row, topk_weights, weights_are_bf16, T, k, y,
                stream);
 }

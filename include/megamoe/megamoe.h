@@ -192,7 +192,10 @@ MEGAMOE_API megamoe_status megamoe_fused_workspace_size(int64_t tokens, int64_t 
 /* y = sum_j p_j FFN_{e_j}(x). saved_h: NULL, or a BFLOAT16 [T*k, 2I] tensor that receives
  * the L1 output [gate | up] of every (token, expert) row, in the layer's internal
  * expert-sorted order; pass it to megamoe_fused_backward with the same topk_ids to skip
- * the backward's recompute of L1 (the "saved" mode). */
+ * the backward's recompute of L1 (the "saved" mode). y may be NULL when saved_h is not:
+ * the call then computes saved_h alone (the same bits; no L2, no combine), for a forward
+ * run again only for what its backward keeps, as in the recompute of an
+ * activation-checkpointed region, whose output is discarded. */
 MEGAMOE_API megamoe_status megamoe_fused_forward(const megamoe_tensor* x,
                                                  const megamoe_tensor* topk_ids,
                                                  const megamoe_tensor* topk_weights,
@@ -246,7 +249,7 @@ MEGAMOE_API megamoe_status megamoe_fused_fp8_workspace_size(int64_t tokens, int6
                                                             int64_t intermediate,
                                                             int64_t num_experts, size_t* bytes);
 
-/* precision "fp8": the forward's two GEMMs in FP8. saved_h as in megamoe_fused_forward. */
+/* precision "fp8": the forward's two GEMMs in FP8. y and saved_h as in megamoe_fused_forward. */
 MEGAMOE_API megamoe_status megamoe_fused_fp8_forward(
     const megamoe_tensor* x, const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
     const megamoe_tensor* w_gate_up, const megamoe_tensor* w_down,

@@ -1,5 +1,6 @@
 """megamoe: a fused, trainable Mixture-of-Experts layer for NVIDIA Hopper GPUs."""
 
+from ._fused_op import skip_expert_outputs
 from .buffer import Buffer
 from .errors import LibraryError, MegaMoEError, NotBuiltError
 from .module import MoE, route
@@ -7,4 +8,5 @@ from .ops import moe
 
 __version__ = "0.1.0"
 
-__all__ = ["moe", "MoE", "route", "Buffer", "MegaMoEError", "NotBuiltError", "LibraryError", "__version__"]
+__all__ = ["moe", "MoE", "route", "Buffer", "skip_expert_outputs", "MegaMoEError",
+           "NotBuiltError", "LibraryError", "__version__"]

@@ -1,12 +1,18 @@
 """backend="fused" on one GPU as torch custom ops: the forward, the backward, and their
 autograd link. Backward modes: "recompute" (the forward keeps only its inputs; L1 is
 recomputed) and "saved" (the forward also writes the L1 output h [T*k, 2I], which the
-backward reads instead: more memory, less work)."""
+backward reads instead: more memory, less work).
+
+Inside `skip_expert_outputs()` (the recompute of an activation-checkpointed region) the
+forward computes only what its backward keeps: h in the saved mode (L1 alone), nothing in
+the recompute mode; y is then a NaN tensor."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import threading
 import weakref
 
 from typing import Optional
@@ -17,6 +23,32 @@ from torch import Tensor
 from . import _lib
 
 BACKWARD_MODES = ("recompute", "saved")
+
+_skip = threading.local()
+
+
+@contextlib.contextmanager
+def skip_expert_outputs():
+    """Inside, the fused experts on one GPU (backend="fused" without a buffer) compute only
+    what their backward keeps and return y [T, H] filled with NaN: in the "saved" mode L1
+    and its output h (no L2, no combine), in the "recompute" mode nothing. The backward is
+    the same, bit for bit. For the recompute of an activation-checkpointed region, whose
+    outputs are thrown away, where the MoE output feeds nothing that autograd keeps (a
+    residual add): megamoe-train enters it in the recompute of each checkpointed decoder
+    layer (train.checkpoint_skip_expert_outputs). Were y kept after all, the NaNs would show
+    in the gradients. Read when the layer is called in eager mode; ignored while
+    torch.compile traces (a traced graph would keep whichever branch it saw). Nests; per
+    thread."""
+    depth = getattr(_skip, "depth", 0)
+    _skip.depth = depth + 1
+    try:
+        yield
+    finally:
+        _skip.depth = depth
+
+
+def _outputs_wanted() -> bool:
+    return getattr(_skip, "depth", 0) == 0 or torch.compiler.is_compiling()
 
 
 @functools.lru_cache(maxsize=64)
@@ -40,20 +72,29 @@ def _empty_h(x: Tensor) -> Tensor:
     return x.new_empty((0,))
 
 
+def _outputs(x: Tensor, T: int, k: int, I: int, save_h: bool, output: bool):
+    """The forward's y and h; y NaN when the call does not compute it."""
+    y = torch.empty_like(x) if output else torch.full_like(x, float("nan"))
+    return y, (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
+
+
 @torch.library.custom_op("megamoe::fused_moe_forward", mutates_args=())
 def fused_moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor,
                       w_down: Tensor, save_h: bool, acc_gate_up: Optional[Tensor],
-                      acc_down: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                      acc_down: Optional[Tensor], output: bool = True) -> tuple[Tensor, Tensor]:
     """y, and h (the L1 output in expert-sorted rows) when save_h, else an empty tensor.
     acc_gate_up / acc_down: fp32 buffers the backward adds the weight gradients into (the
-    forward only hands them to autograd)."""
+    forward only hands them to autograd). output False: y is NaN and only h is computed
+    (nothing without save_h; see skip_expert_outputs)."""
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
-    y = torch.empty_like(x)
-    h = x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x)
+    y, h = _outputs(x, T, k, I, save_h, output)
+    if not output and not save_h:
+        return y, h
     with torch.cuda.device(x.device):
         nbytes = workspace_bytes(T, k, H, I, E)
         workspace = _lib.workspace(nbytes, x.device)
-        d = [_lib.describe(t) for t in (x, topk_ids, topk_weights, w_gate_up, w_down, y)]
+        d = [_lib.describe(t) for t in (x, topk_ids, topk_weights, w_gate_up, w_down)]
+        d.append(_lib.describe(y) if output else None)
         d.append(_lib.describe(h) if save_h else None)
         _lib.call("megamoe_fused_forward", *(_lib.ref(v) for v in d),
                   ctypes.c_void_p(workspace.data_ptr()), nbytes, _lib.stream(x.device))
@@ -61,7 +102,7 @@ def fused_moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_
 
 
 @fused_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h, acc_gate_up, acc_down):
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, save_h, acc_gate_up, acc_down, output=True):
     T, k, _, I, _ = _sizes(x, topk_ids, w_gate_up)
     return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
 
@@ -131,7 +172,7 @@ def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, saved_h, needs, acc_gate
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w_gate_up, w_down, _, acc_gate_up, acc_down = inputs
+    x, topk_ids, topk_weights, w_gate_up, w_down, _, acc_gate_up, acc_down, *_ = inputs
     _, h = output
     ctx.mark_non_differentiable(h)
     # h never gets a gradient: without this, autograd fills a zero tensor of h's size.
@@ -151,7 +192,7 @@ def _backward(ctx, dy, _dh):
     return (dx if needs[0] else None, None,
             dp.to(ctx.weights_dtype) if needs[1] else None,
             dw1 if needs[2] and acc_gate_up is None else None,
-            dw2 if needs[3] and acc_down is None else None, None, None, None)
+            dw2 if needs[3] and acc_down is None else None, None, None, None, None)
 
 
 fused_moe_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -180,21 +221,23 @@ def fused_moe_fp8_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_g
                           w_down: Tensor, gate_up_q: Tensor, gate_up_q_t: Tensor,
                           gate_up_scales: Tensor, down_q: Tensor, down_q_t: Tensor,
                           down_scales: Tensor, forward_fp8: bool, save_h: bool,
-                          acc_gate_up: Optional[Tensor], acc_down: Optional[Tensor]
-                          ) -> tuple[Tensor, Tensor]:
+                          acc_gate_up: Optional[Tensor], acc_down: Optional[Tensor],
+                          output: bool = True) -> tuple[Tensor, Tensor]:
     """As fused_moe_forward, in FP8 when forward_fp8 (else the bf16 forward, whose backward
     runs in FP8)."""
     if not forward_fp8:
         return fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h,
-                                 acc_gate_up, acc_down)
+                                 acc_gate_up, acc_down, output)
     T, k, H, I, E = _sizes(x, topk_ids, w_gate_up)
-    y = torch.empty_like(x)
-    h = x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x)
+    y, h = _outputs(x, T, k, I, save_h, output)
+    if not output and not save_h:
+        return y, h
     with torch.cuda.device(x.device):
         nbytes = fp8_workspace_bytes(T, k, H, I, E)
         workspace = _lib.workspace(nbytes, x.device)
         d = [_lib.describe(t) for t in (x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q,
-                                        gate_up_scales, down_q, down_scales, y)]
+                                        gate_up_scales, down_q, down_scales)]
+        d.append(_lib.describe(y) if output else None)
         d.append(_lib.describe(h) if save_h else None)
         _lib.call("megamoe_fused_fp8_forward", *(_lib.ref(v) for v in d),
                   ctypes.c_void_p(workspace.data_ptr()), nbytes, _lib.stream(x.device))
@@ -203,7 +246,7 @@ def fused_moe_fp8_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_g
 
 @fused_moe_fp8_forward.register_fake
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t, gate_up_scales,
-      down_q, down_q_t, down_scales, forward_fp8, save_h, acc_gate_up, acc_down):
+      down_q, down_q_t, down_scales, forward_fp8, save_h, acc_gate_up, acc_down, output=True):
     T, k, _, I, _ = _sizes(x, topk_ids, w_gate_up)
     return torch.empty_like(x), (x.new_empty((T * k, 2 * I)) if save_h else _empty_h(x))
 
@@ -243,7 +286,7 @@ def _(dy, x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t, 
 
 def _setup_context_fp8(ctx, inputs, output):
     (x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_q, gate_up_q_t, gate_up_scales,
-     _down_q, down_q_t, down_scales, forward_fp8, _, acc_gate_up, acc_down) = inputs
+     _down_q, down_q_t, down_scales, forward_fp8, _, acc_gate_up, acc_down, *_) = inputs
     _, h = output
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)
@@ -266,7 +309,7 @@ def _backward_fp8(ctx, dy, _dh):
     return (dx if needs[0] else None, None,
             dp.to(ctx.weights_dtype) if needs[1] else None,
             dw1 if needs[2] and acc_gate_up is None else None,
-            dw2 if needs[3] and acc_down is None else None) + (None,) * 10
+            dw2 if needs[3] and acc_down is None else None) + (None,) * 11
 
 
 fused_moe_fp8_forward.register_autograd(_backward_fp8, setup_context=_setup_context_fp8)
@@ -322,12 +365,14 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tens
     only when a backward can follow. precision: "bf16", "fp8" or "fp8_bwd"."""
     save_h = keeps_h(backward_mode, x, topk_weights, w_gate_up, w_down)
     acc_gate_up, acc_down = weight_grad_accumulators or (None, None)
+    output = _outputs_wanted()
     if precision == "bf16":
         y, _ = fused_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, save_h,
-                                 acc_gate_up, acc_down)
+                                 acc_gate_up, acc_down, output)
         return y
     gate_up, down = _fp8_copy(w_gate_up), _fp8_copy(w_down)
     y, _ = fused_moe_fp8_forward(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up.values,
                                  gate_up.values_t, gate_up.scales, down.values, down.values_t,
-                                 down.scales, precision == "fp8", save_h, acc_gate_up, acc_down)
+                                 down.scales, precision == "fp8", save_h, acc_gate_up, acc_down,
+                                 output)
     return y

@@ -341,3 +341,15 @@ TEST(RoutingCountsErrors, HostMemoryIsNotAccepted) {
         << megamoe_last_error();
   }
 }
+
+// The fused forward takes y = NULL only with saved_h (it then computes saved_h alone); the
+// argument check comes before any device work.
+TEST_F(ReferenceErrors, FusedForwardNullYNeedsSavedH) {
+  megamoe_tensor x = p.x.desc(), ids = p.ids.desc(), w = p.weights.desc(),
+                 w1 = p.w_gate_up.desc(), w2 = p.w_down.desc();
+  EXPECT_EQ(megamoe_fused_forward(&x, &ids, &w, &w1, &w2, nullptr, nullptr, nullptr, 0, nullptr),
+            MEGAMOE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(megamoe_last_error(), "y: expected a tensor, got NULL (NULL only with "
+                                             "saved_h"))
+      << megamoe_last_error();
+}

@@ -205,3 +205,28 @@ def test_fp8_on_one_gpu_reshards_by_default(policy, precision, device, world, ex
                              ("model.moe.dispatch.precision", f'"{precision}"')])
     applied, why = model_mod.reshard_policy(config, torch.device(device), world)
     assert applied == expected and bool(why) == (applied != policy)
+
+
+@pytest.mark.parametrize("save_attention", [False, True])
+def test_checkpoint_recompute_skips_expert_outputs(save_attention):
+    """train.checkpoint_skip_expert_outputs: the checkpoint's recompute context (and only
+    it) is inside megamoe.skip_expert_outputs(), with or without the selective policy."""
+    from megamoe import _fused_op
+
+    class Model:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs):
+            self.kwargs = gradient_checkpointing_kwargs
+
+    for skip in (False, True):
+        model = Model()
+        model_mod.apply_activation_checkpointing(model, save_attention, skip)
+        assert model.kwargs["use_reentrant"] is False
+        if not skip and not save_attention:
+            assert "context_fn" not in model.kwargs
+            continue
+        forward, recompute = model.kwargs["context_fn"]()
+        with forward:
+            assert _fused_op._outputs_wanted()
+        with recompute:
+            assert _fused_op._outputs_wanted() is not skip
+        assert _fused_op._outputs_wanted()

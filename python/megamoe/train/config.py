@@ -148,6 +148,13 @@ class TrainConfig:
                                              "heads x head_dim + fp32 log-sum-exp per layer) "
                                              "so the backward does not rerun it; false "
                                              "recomputes the whole layer")
+    checkpoint_skip_expert_outputs: bool = option(True, "with activation_checkpointing and "
+                                                  "the mega_moe experts on one GPU per "
+                                                  "expert group: the recompute runs the fused "
+                                                  "experts only as far as their backward "
+                                                  "needs (L1 in the saved backward mode), not "
+                                                  "the output the recompute throws away; the "
+                                                  "same gradients, bit for bit")
     compile: bool = option(False, "torch.compile each decoder layer")
     compile_dense: bool = option(False, "torch.compile each decoder layer's dense part (its "
                                  "attention block and norms, and the final norm), leaving "

@@ -233,11 +233,16 @@ def attention_kernels() -> list:
     return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
 
 
-def apply_activation_checkpointing(model, save_attention: bool = False) -> None:
+def apply_activation_checkpointing(model, save_attention: bool = False,
+                                   skip_expert_outputs: bool = False) -> None:
     """One checkpointed region per decoder layer. With save_attention, the outputs of the
     fused attention kernels are kept from the forward (selective checkpointing), so the
     backward's recompute of the layer reruns everything but the attention kernel: the same
-    values, since the kept outputs are what the recompute would produce again."""
+    values, since the kept outputs are what the recompute would produce again. With
+    skip_expert_outputs, the recompute runs inside megamoe.skip_expert_outputs(): the fused
+    experts compute only what their backward keeps (a decoder layer's MoE output feeds only
+    its residual add, whose result the recompute throws away); the gradients are the same
+    bits."""
     # Non-reentrant: the router logits recorded inside each layer (for the load-balancing
     # loss) keep their gradient path, and nested FSDP units work inside the region.
     kwargs = {"use_reentrant": False}
@@ -250,7 +255,24 @@ def apply_activation_checkpointing(model, save_attention: bool = False) -> None:
             return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
         # A fresh pair of contexts (forward, recompute) for every checkpointed call.
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+        contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+    else:
+        contexts = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
+    if skip_expert_outputs:
+        from megamoe import skip_expert_outputs as skip
+
+        @contextlib.contextmanager
+        def recompute_skipping(recompute):
+            with recompute, skip():
+                yield
+
+        def with_skip():
+            forward, recompute = contexts()
+            return forward, recompute_skipping(recompute)
+
+        kwargs["context_fn"] = with_skip
+    elif save_attention:
+        kwargs["context_fn"] = contexts
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 

@@ -294,7 +294,8 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     dispatch = model_mod.apply_dispatch(model, config, device, group=group, buffer=buffer)
     say(f"experts: {dispatch}")
     if config.train.activation_checkpointing:
-        model_mod.apply_activation_checkpointing(model, config.train.checkpoint_save_attention)
+        model_mod.apply_activation_checkpointing(model, config.train.checkpoint_save_attention,
+                                                 config.train.checkpoint_skip_expert_outputs)
     if config.train.compile:
         model_mod.apply_compile(model)
     if config.train.compile_dense:
