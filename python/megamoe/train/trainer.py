@@ -578,7 +578,8 @@ def _finish(config: Config, state: Run, setup: Setup, base: dict, steps: list[di
         if median:
             mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] else ""
             per = "rank" if base["gpu"] == "cpu" else "GPU"
-            log(f"median step time (steps 6-20) {median * 1e3:.1f} ms, "
+            window = f"steps 6-{min(20, max(r['step'] for r in steps))}"
+            log(f"median step time ({window}) {median * 1e3:.1f} ms, "
                 f"{summary['tokens_per_s_per_gpu']:,.0f} tokens/s/{per}{mfu}")
     summary["steps"] = steps
     return summary
