@@ -23,6 +23,9 @@ constexpr int kWarps = kThreads / 32;
 // 16-byte loads, each half-warp reading 256 contiguous bytes of one row.
 constexpr int kColGroups = 16;
 constexpr int kRowsPerThread = 8;
+// Dynamic shared memory of the gathered column kernel: one tile of bf16 values, 16 bytes per
+// thread and row.
+constexpr int kGatheredStageBytes = kRowsPerThread * kThreads * 16;
 
 // out[j] = byte j of a0, a1, a2, a3 (a0's in the low byte): a 4 x 4 byte transpose.
 __device__ __forceinline__ void transpose4x4(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -144,16 +147,24 @@ __device__ __forceinline__ float slot_weight(const Fp8PaddedSource& p, const Gat
   return p.slot_weights != nullptr && g.slot >= 0 ? __ldg(&p.slot_weights[g.slot]) : 0.0f;
 }
 
-// The unscaled token rows of this thread's 8 x 8 values (padding rows: zeros).
-__device__ __forceinline__ void load_gathered(const Fp8QuantizeArgs& a, const TilePos& t,
-                                              const GatherRow& g, uint4 (&v)[kRowsPerThread]) {
+// The unscaled token rows of this thread's 8 x 8 values (padding rows: zeros), loaded by
+// cp.async into its 8 slots of `stage` (slot i at stage[i * kThreads + threadIdx.x]): the
+// values wait in shared memory instead of registers, which gives the gathered kernel 3 CTAs
+// per SM (80 registers; it held the next tile in 32 more registers at 2 CTAs per SM).
+__device__ __forceinline__ void load_gathered_async(const Fp8QuantizeArgs& a, const TilePos& t,
+                                                    const GatherRow& g, uint4* stage) {
   const __nv_bfloat16* xb = a.x + t.col0 + 8 * (threadIdx.x % kColGroups);
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int32_t token = __shfl_sync(~0u, g.token, row_lane(i));
-    v[i] = token >= 0 ? __ldg(reinterpret_cast<const uint4*>(xb + token * a.x_row))
-                      : make_uint4(0, 0, 0, 0);
+    const uint32_t dst =
+        static_cast<uint32_t>(__cvta_generic_to_shared(stage + i * kThreads + threadIdx.x));
+    const __nv_bfloat16* src = xb + max(token, 0) * a.x_row;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(token >= 0 ? 16 : 0)
+                 : "memory");
   }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
 // The token rows times their slot weights, as gather_rows_padded rounds them (padding rows
@@ -180,12 +191,19 @@ __device__ __forceinline__ void scale_gathered(const Fp8PaddedSource& p, const G
 // follows every read of it for this one. partial_max, read before this tile's second
 // barrier, is written after its third; column_r (read before the third) and staged (read
 // after it) are written after the next tile's first.
-template <Fp8Blocks kBlocks, bool kToRows>
+struct NoHook {
+  __device__ void operator()() const {}
+};
+
+// after_max (kColumns128): called once this thread's values have all been read (into the
+// column maxima), before the tile's first barrier: the gathered kernel issues the next
+// tile's loads into the slots they came from there.
+template <Fp8Blocks kBlocks, bool kToRows, typename AfterMax = NoHook>
 __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const TilePos& t,
                                               const uint4 (&v)[kRowsPerThread],
                                               const Fp8RowDests& dests,
                                               const int32_t (&d)[kRowsPerThread],
-                                              TileSmem& sm) {
+                                              TileSmem& sm, const AfterMax& after_max = {}) {
   const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t ti = t.ti, tj = t.tj, row0 = t.row0, col0 = t.col0;
@@ -245,6 +263,7 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
     }
 #pragma unroll
     for (int w = 0; w < 4; ++w) c[w] = max_halves(c[w], __shfl_xor_sync(~0u, c[w], 16));
+    after_max();
     if (lane < kColGroups) {
 #pragma unroll
       for (int w = 0; w < 4; ++w) sm.partial_max[warp][4 * cg + w] = c[w];
@@ -330,11 +349,13 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
 
 // A CTA of the kernels that loop (kToRows, kGathered) quantizes tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ... (a persistent grid of a few CTAs per SM): each tile's loads
-// are issued before the previous tile is quantized and stored, so that a CTA has a tile's
-// 32 KB in flight while it works (one tile per CTA left the loads of a CTA idle through
-// its reductions, barriers and stores), and with the gathered rows the index loads that
-// the addresses wait for (the expert search, row_token, row_slot -> slot_weights) are a
-// tile further ahead still. kToRows: tiles go to CTAs in the order of one CTA per tile, so
+// are issued before the previous tile is quantized and stored (kGathered: once the previous
+// tile's values have been read, into shared memory by cp.async; kToRows: into registers),
+// so that a CTA has a tile's 32 KB in flight while it works (one tile per CTA left the
+// loads of a CTA idle through its reductions, barriers and stores), and with the gathered
+// rows the index loads that the addresses wait for (the expert search, row_token, row_slot
+// -> slot_weights) are a tile further ahead still. kToRows: tiles go to CTAs in the order
+// of one CTA per tile, so
 // the CTAs at work at one time read neighbouring tiles. kGathered: the tile's rows are
 // padded rows of a routing plan over the token matrix x (`dests` is then an
 // Fp8PaddedSource), read as gather_rows_padded would write them, and the tiles go column
@@ -343,7 +364,7 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
 // tokens of bf16), which stay in L2 across those k reads, where row-tile order reads whole
 // token rows that L2 has evicted by the token's next expert.
 template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
-__global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
+__global__ void __launch_bounds__(kThreads, kToRows ? 2 : 3)
     quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
                         std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
   static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
@@ -358,26 +379,29 @@ __global__ void __launch_bounds__(kThreads, (kToRows || kGathered) ? 2 : 3)
     const int64_t tiles = used * col_tiles, stride = gridDim.x;
     int64_t tile = blockIdx.x;
     if (tile >= tiles) return;
-    uint4 v[kRowsPerThread];
+    // Each thread's next-tile values wait in its own slots of `stage` (dynamic shared
+    // memory, kGatheredStageBytes), written by its cp.async and read by it alone: no barrier.
+    extern __shared__ uint4 stage[];
     GatherRow g = gather_row(p, a.rows, tile % used), g1;
-    load_gathered(a, gathered_pos(tile, used), g, v);
+    load_gathered_async(a, gathered_pos(tile, used), g, stage);
     float w = slot_weight(p, g);
     if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) % used);
     for (;;) {
       const int64_t next = tile + stride, after = next + stride;
-      uint4 vn[kRowsPerThread];
-      float w1 = 0.0f;
-      if (next < tiles) {
-        load_gathered(a, gathered_pos(next, used), g1, vn);
-        w1 = slot_weight(p, g1);
-      }
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      uint4 v[kRowsPerThread];
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
+      const float w1 = next < tiles ? slot_weight(p, g1) : 0.0f;
       GatherRow g2;
       if (after < tiles) g2 = gather_row(p, a.rows, after % used);
       scale_gathered(p, g, w, v);
-      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm);
+      // The next tile's loads go out once v has been read (its slots are then free).
+      const auto load_next = [&] {
+        if (next < tiles) load_gathered_async(a, gathered_pos(next, used), g1, stage);
+      };
+      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm, load_next);
       if (next >= tiles) break;
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
       g = g1;
       w = w1;
       g1 = g2;
@@ -557,11 +581,12 @@ unsigned checked_grid(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows,
 
 // The grid of a kernel that loops over its `tiles`: as many CTAs as fit on the SMs at once
 // (sm_count(): the device's, or an SmLimit's), or one per tile when there are fewer.
-template <auto kKernel>
+template <auto kKernel, int kDynamicSmem = 0>
 unsigned persistent_grid(unsigned tiles) {
   static const int per_sm = [] {
     int n = 0;
-    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads, 0));
+    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads,
+                                                                     kDynamicSmem));
     return n > 0 ? n : 1;
   }();
   return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t(per_sm) * sm_count()));
@@ -602,8 +627,11 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
     fail("null routing plan pointer in src");
   }
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>;
-  kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(a, row_tiles_of(a),
-                                                                 a.cols / kTile, src);
+  // Static and dynamic shared memory above 48 KB: opted in on every call (per device).
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kGatheredStageBytes));
+  kernel<<<persistent_grid<kernel, kGatheredStageBytes>(grid), kThreads, kGatheredStageBytes,
+           stream>>>(a, row_tiles_of(a), a.cols / kTile, src);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
