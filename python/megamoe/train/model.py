@@ -245,7 +245,10 @@ def apply_activation_checkpointing(model, save_attention: bool = False,
     bits."""
     # Non-reentrant: the router logits recorded inside each layer (for the load-balancing
     # loss) keep their gradient path, and nested FSDP units work inside the region.
+    from torch.utils.checkpoint import noop_context_fn
+
     kwargs = {"use_reentrant": False}
+    contexts = noop_context_fn  # a fresh pair (forward, recompute) for every checkpointed call
     if save_attention:
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -254,10 +257,7 @@ def apply_activation_checkpointing(model, save_attention: bool = False,
         def policy(ctx, op, *args, **kwargs):
             return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
-        # A fresh pair of contexts (forward, recompute) for every checkpointed call.
         contexts = functools.partial(create_selective_checkpoint_contexts, policy)
-    else:
-        contexts = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
     if skip_expert_outputs:
         from megamoe import skip_expert_outputs as skip
 
@@ -266,12 +266,14 @@ def apply_activation_checkpointing(model, save_attention: bool = False,
             with recompute, skip():
                 yield
 
+        inner = contexts
+
         def with_skip():
-            forward, recompute = contexts()
+            forward, recompute = inner()
             return forward, recompute_skipping(recompute)
 
-        kwargs["context_fn"] = with_skip
-    elif save_attention:
+        contexts = with_skip
+    if contexts is not noop_context_fn:
         kwargs["context_fn"] = contexts
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
