@@ -23,9 +23,9 @@ constexpr int kWarps = kThreads / 32;
 // 16-byte loads, each half-warp reading 256 contiguous bytes of one row.
 constexpr int kColGroups = 16;
 constexpr int kRowsPerThread = 8;
-// Dynamic shared memory of the gathered column kernel: one tile of bf16 values, 16 bytes per
-// thread and row.
-constexpr int kGatheredStageBytes = kRowsPerThread * kThreads * 16;
+// Dynamic shared memory of the looping kernels that stage their next tile (gathered columns,
+// to rows): one tile of bf16 values, 16 bytes per thread and row.
+constexpr int kStageBytes = kRowsPerThread * kThreads * 16;
 
 // out[j] = byte j of a0, a1, a2, a3 (a0's in the low byte): a 4 x 4 byte transpose.
 __device__ __forceinline__ void transpose4x4(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -72,6 +72,15 @@ __device__ __forceinline__ TilePos tile_pos(int64_t tile, int64_t row_tiles, int
   return {tile / (row_tiles * col_tiles), ti, tj, ti * kTile, tj * kTile};
 }
 
+// tile_pos in 32-bit arithmetic, for the looping kernels whose tile counts checked_grid
+// keeps below 2^31: a 64-bit division's slow path needs stack, which the build refuses, at
+// the 80 registers of 3 CTAs per SM.
+__device__ __forceinline__ TilePos tile_pos32(uint32_t tile, uint32_t row_tiles,
+                                              uint32_t col_tiles) {
+  const uint32_t ti = tile / col_tiles % row_tiles, tj = tile % col_tiles;
+  return {tile / (row_tiles * col_tiles), ti, tj, int64_t(ti) * kTile, int64_t(tj) * kTile};
+}
+
 // Tile `tile` of a gathered column quantization over `used` row tiles: column stripe
 // tile / used, row tile tile % used (see quantize_fp8_kernel).
 __device__ __forceinline__ TilePos gathered_pos(int64_t tile, int64_t used) {
@@ -90,6 +99,27 @@ __device__ __forceinline__ void load_rows(const Fp8QuantizeArgs& a, const TilePo
     v[i] = row < a.rows ? __ldg(reinterpret_cast<const uint4*>(xb + row * a.x_row))
                         : make_uint4(0, 0, 0, 0);
   }
+}
+
+// This thread's 8 x 8 values of a tile of x, loaded by cp.async into its 8 slots of `stage`
+// (slot i at stage[i * kThreads + threadIdx.x]); rows from a.rows on as zeros. The to-rows
+// kernel's next tile waits there instead of in 32 registers (3 CTAs per SM instead of 2).
+__device__ __forceinline__ void load_rows_async(const Fp8QuantizeArgs& a, const TilePos& t,
+                                                uint4* stage) {
+  const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
+  const __nv_bfloat16* xb = a.x + t.b * a.x_batch + t.col0 + 8 * cg;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int64_t row = t.row0 + kRowsPerThread * rg + i;
+    const uint32_t dst =
+        static_cast<uint32_t>(__cvta_generic_to_shared(stage + i * kThreads + threadIdx.x));
+    // A row past the end reads nothing (source size 0) from a valid address: row 0's.
+    const __nv_bfloat16* src = xb + (row < a.rows ? row : 0) * a.x_row;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(row < a.rows ? 16 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
 // ---- quantize_fp8_to_rows: where each row goes.
@@ -349,8 +379,8 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
 
 // A CTA of the kernels that loop (kToRows, kGathered) quantizes tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ... (a persistent grid of a few CTAs per SM): each tile's loads
-// are issued before the previous tile is quantized and stored (kGathered: once the previous
-// tile's values have been read, into shared memory by cp.async; kToRows: into registers),
+// are issued before the previous tile is quantized and stored (once the previous tile's
+// values have been read, into each thread's own slots of shared memory by cp.async),
 // so that a CTA has a tile's 32 KB in flight while it works (one tile per CTA left the
 // loads of a CTA idle through its reductions, barriers and stores), and with the gathered
 // rows the index loads that the addresses wait for (the expert search, row_token, row_slot
@@ -364,7 +394,7 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
 // tokens of bf16), which stay in L2 across those k reads, where row-tile order reads whole
 // token rows that L2 has evicted by the token's next expert.
 template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
-__global__ void __launch_bounds__(kThreads, kToRows ? 2 : 3)
+__global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
                         std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
   static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
@@ -380,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, kToRows ? 2 : 3)
     int64_t tile = blockIdx.x;
     if (tile >= tiles) return;
     // Each thread's next-tile values wait in its own slots of `stage` (dynamic shared
-    // memory, kGatheredStageBytes), written by its cp.async and read by it alone: no barrier.
+    // memory, kStageBytes), written by its cp.async and read by it alone: no barrier.
     extern __shared__ uint4 stage[];
     GatherRow g = gather_row(p, a.rows, tile % used), g1;
     load_gathered_async(a, gathered_pos(tile, used), g, stage);
@@ -408,30 +438,32 @@ __global__ void __launch_bounds__(kThreads, kToRows ? 2 : 3)
       tile = next;
     }
   } else if constexpr (kToRows) {
-    const int64_t tiles = a.batches * row_tiles * col_tiles, stride = gridDim.x;
-    int64_t tile = blockIdx.x;
+    const uint32_t tiles = static_cast<uint32_t>(a.batches * row_tiles * col_tiles);
+    const auto pos_of = [&](uint32_t tile) { return tile_pos32(tile, row_tiles, col_tiles); };
+    uint32_t tile = blockIdx.x;
     if (tile >= tiles) return;
-    uint4 v[kRowsPerThread];
+    // As the gathered kernel: each thread's next-tile values in its own slots, no barrier.
+    extern __shared__ uint4 stage[];
+    TilePos pos = pos_of(tile);
     int32_t d[kRowsPerThread];
-    TilePos pos = tile_pos(tile, row_tiles, col_tiles);
-    load_rows(a, pos, v);
+    load_rows_async(a, pos, stage);
     load_dests(dests, a.rows, pos, d);
     for (;;) {
-      const int64_t next = tile + stride;
-      const TilePos npos = tile_pos(next, row_tiles, col_tiles);
-      uint4 vn[kRowsPerThread];
+      const uint32_t next = tile + gridDim.x;
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      uint4 v[kRowsPerThread];
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
+      const TilePos npos = pos_of(next);
       int32_t dn[kRowsPerThread];
       if (next < tiles) {
-        load_rows(a, npos, vn);
+        load_rows_async(a, npos, stage);
         load_dests(dests, a.rows, npos, dn);
       }
       quantize_tile<kBlocks, true>(a, pos, v, dests, d, sm);
       if (next >= tiles) break;
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        v[i] = vn[i];
-        d[i] = dn[i];
-      }
+      for (int i = 0; i < kRowsPerThread; ++i) d[i] = dn[i];
       tile = next;
       pos = npos;
     }
@@ -444,33 +476,37 @@ __global__ void __launch_bounds__(kThreads, kToRows ? 2 : 3)
   }
 }
 
-// quantize_fp8_rows_and_columns: each tile of x loaded once (the loads of the next tile in
-// flight while this one is quantized, as the looping kernels above) and quantized twice
-// from the same registers, 1x128 into `rows` and 128-row columns into `cols`. Each half is
-// quantize_fp8's code for its blocks on the same values, so each output has its kernel's
-// bits. Rows first: they need no shared memory, so the columns' reuse of it from tile to
-// tile stays as quantize_tile describes.
-__global__ void __launch_bounds__(kThreads, 2)
+// quantize_fp8_rows_and_columns: each tile of x loaded once (the next tile staged as in the
+// looping kernels above, its loads issued once the column maxima are taken, as the gathered
+// kernel does) and quantized twice from the same registers, 128-row columns into `cols`
+// and 1x128 into `rows`. Each half is quantize_fp8's code for its blocks on the same
+// values, so each output has its kernel's bits. The rows need no shared memory, so the
+// columns' reuse of it from tile to tile stays as quantize_tile describes. (Columns first:
+// in the other order the 80 registers of 3 CTAs per SM spill.)
+__global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_rows_and_columns_kernel(Fp8QuantizeArgs rows, Fp8QuantizeArgs cols,
                                          int64_t row_tiles, int64_t col_tiles) {
   __shared__ TileSmem sm;
+  extern __shared__ uint4 stage[];
   const int32_t no_dests[kRowsPerThread] = {};
-  const int64_t tiles = rows.batches * row_tiles * col_tiles, stride = gridDim.x;
-  int64_t tile = blockIdx.x;
+  const uint32_t tiles = static_cast<uint32_t>(rows.batches * row_tiles * col_tiles);
+  uint32_t tile = blockIdx.x;
   if (tile >= tiles) return;
-  uint4 v[kRowsPerThread];
-  TilePos pos = tile_pos(tile, row_tiles, col_tiles);
-  load_rows(rows, pos, v);
+  TilePos pos = tile_pos32(tile, row_tiles, col_tiles);
+  load_rows_async(rows, pos, stage);
   for (;;) {
-    const int64_t next = tile + stride;
-    const TilePos npos = tile_pos(next, row_tiles, col_tiles);
-    uint4 vn[kRowsPerThread];
-    if (next < tiles) load_rows(rows, npos, vn);
-    quantize_tile<Fp8Blocks::kRows1x128, false>(rows, pos, v, {}, no_dests, sm);
-    quantize_tile<Fp8Blocks::kColumns128, false>(cols, pos, v, {}, no_dests, sm);
-    if (next >= tiles) break;
+    const uint32_t next = tile + gridDim.x;
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    uint4 v[kRowsPerThread];
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) v[i] = vn[i];
+    for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
+    const TilePos npos = tile_pos32(next, row_tiles, col_tiles);
+    const auto load_next = [&] {
+      if (next < tiles) load_rows_async(rows, npos, stage);
+    };
+    quantize_tile<Fp8Blocks::kColumns128, false>(cols, pos, v, {}, no_dests, sm, load_next);
+    quantize_tile<Fp8Blocks::kRows1x128, false>(rows, pos, v, {}, no_dests, sm);
+    if (next >= tiles) break;
     tile = next;
     pos = npos;
   }
@@ -629,8 +665,8 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>;
   // Static and dynamic shared memory above 48 KB: opted in on every call (per device).
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          kGatheredStageBytes));
-  kernel<<<persistent_grid<kernel, kGatheredStageBytes>(grid), kThreads, kGatheredStageBytes,
+                                          kStageBytes));
+  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes,
            stream>>>(a, row_tiles_of(a), a.cols / kTile, src);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -642,8 +678,10 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   if (grid == 0) return;
   if (dests.rows == nullptr) fail("null dests.rows");
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>;
-  kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(a, row_tiles_of(a),
-                                                                 a.cols / kTile, dests);
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kStageBytes));
+  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes, stream>>>(
+      a, row_tiles_of(a), a.cols / kTile, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -676,9 +714,10 @@ void quantize_fp8_rows_and_columns(const Fp8QuantizeArgs& rows, const Fp8Quantiz
   checked_grid(Fp8Blocks::kColumns128, columns, false, "columns: ");  // the same tiles
   if (grid == 0) return;
   constexpr auto kernel = &quantize_fp8_rows_and_columns_kernel;
-  kernel<<<persistent_grid<kernel>(grid), kThreads, 0, stream>>>(rows, columns,
-                                                                 row_tiles_of(rows),
-                                                                 rows.cols / kTile);
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kStageBytes));
+  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes, stream>>>(
+      rows, columns, row_tiles_of(rows), rows.cols / kTile);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
