@@ -5,11 +5,13 @@ or with --backward the forward and backward of a training step.
     python tools/profile_layer.py --backward --backward-mode saved
     python tools/profile_layer.py --precision fp8 --model qwen3-235b-a22b
     ncu --profile-from-start off --set full python tools/profile_layer.py --ncu ...  # one call
+    python tools/profile_layer.py --precision fp8 --backward --timeline   # kernels in order
     torchrun --nproc-per-node 2 tools/profile_layer.py --ep 2 --backward   # rank 0's kernels
 """
 
 import argparse
 import os
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,6 +34,9 @@ def main():
     parser.add_argument("--ncu", action="store_true",
                         help="after the warm-up, one call between cudaProfilerStart and Stop "
                              "(for ncu --profile-from-start off) instead of torch.profiler")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print the last call's kernels in the order they ran, with "
+                             "the idle time before each, and the host time per call")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel ranks (run under torchrun --nproc-per-node EP)")
     parser.add_argument("--num-comm-sms", type=int, default=None,
@@ -73,8 +78,10 @@ def main():
         torch.cuda.profiler.stop()
         return
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
         for _ in range(args.iters):
             forward()
+        host_ms = (time.perf_counter() - began) * 1e3 / args.iters
         torch.cuda.synchronize()
     if rank != 0:
         return
@@ -90,6 +97,30 @@ def main():
         total += per_call
         print(f"  {per_call:9.1f}  x{e.count // args.iters:<3} {e.key[:110]}")
     print(f"  {total:9.1f}  total")
+    if args.timeline:
+        print_timeline(prof, args.iters, host_ms)
+
+
+def print_timeline(prof, iters: int, host_ms: float):
+    """The last call's kernels in start order: start (us from the call's first kernel),
+    duration, and the idle GPU time since the previous kernel ended. Where the host takes
+    longer per call than the GPU, the GPU waits for launches; the host time printed is that
+    of the profiled loop, without a synchronization per call."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.device_time_total > 0), key=lambda e: e.time_range.start)
+    per_call = len(kernels) // iters
+    last = kernels[-per_call:]
+    t0 = last[0].time_range.start
+    print(f"last call: {per_call} kernels, GPU span {(last[-1].time_range.end - t0):.1f} us, "
+          f"busy {sum(e.time_range.elapsed_us() for e in last):.1f} us; host "
+          f"{host_ms * 1e3:.1f} us per call")
+    print("   start us      us   idle us  kernel")
+    end = t0
+    for e in last:
+        idle = e.time_range.start - end
+        print(f"  {e.time_range.start - t0:8.1f} {e.time_range.elapsed_us():7.1f} {idle:8.1f}  "
+              f"{e.name[:90]}")
+        end = max(end, e.time_range.end)
 
 
 if __name__ == "__main__":
