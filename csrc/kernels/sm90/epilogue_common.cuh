@@ -93,7 +93,7 @@ __device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value) {
 // to (col + b * kBoxCols, row..) of `map`. The stores drain while the warpgroup goes on to
 // the next tile's MMAs. Thread 0 of the warpgroup owns the bulk stores; the buffer is
 // reused only once its previous stores have read it.
-template <int kBoxes, int kBoxCols, bool kEvictFirst = false, class Stage>
+template <int kBoxes, int kBoxCols, class Stage>
 __device__ __forceinline__ void store_boxes_staged(const CUtensorMap& map, uint8_t* staging,
                                                    int consumer, int col, int row,
                                                    Stage&& stage) {
@@ -106,24 +106,18 @@ __device__ __forceinline__ void store_boxes_staged(const CUtensorMap& map, uint8
   if (leader) {
 #pragma unroll
     for (int box = 0; box < kBoxes; ++box) {
-      if constexpr (kEvictFirst) {
-        tma_store_2d_hint(&map, staging + box * kStoreBoxBytes, col + box * kBoxCols, row,
-                          l2_evict_first_policy());
-      } else {
-        tma_store_2d(&map, staging + box * kStoreBoxBytes, col + box * kBoxCols, row);
-      }
+      tma_store_2d(&map, staging + box * kStoreBoxBytes, col + box * kBoxCols, row);
     }
     bulk_commit_group();
   }
 }
 
-// A full slab's kCols bf16 columns (value(q, half, j)) to (col.., row..) of `map`;
-// kEvictFirst: with l2_evict_first_policy (an output no kernel reads soon).
-template <int kCols, bool kEvictFirst = false, class Value>
+// A full slab's kCols bf16 columns (value(q, half, j)) to (col.., row..) of `map`.
+template <int kCols, class Value>
 __device__ __forceinline__ void store_slab_staged(const CUtensorMap& map, uint8_t* staging,
                                                   int consumer, int col, int row,
                                                   Value&& value) {
-  store_boxes_staged<kCols / kStoreBoxCols, kStoreBoxCols, kEvictFirst>(
+  store_boxes_staged<kCols / kStoreBoxCols, kStoreBoxCols>(
       map, staging, consumer, col, row,
       [&](uint8_t* buffer) { stage_chunks<kCols / 8>(buffer, value); });
 }

@@ -194,11 +194,8 @@ class SwiGLUBackwardEpilogue {
     const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
     const int row = t.row0 + consumer_ * 64;
     mbarrier_arrive_expect_tx(h_bar_, 2 * kStoreBoxBytes);
-    // Evict-first: each h line is read once, here.
-    const uint64_t policy = l2_evict_first_policy();
-    tma_load_2d_hint(buffers_.staging[consumer_] + 3 * kStoreBoxBytes, &p_.map_h, h_bar_, col,
-                     row, policy);
-    tma_load_2d_hint(buffers_.h_up[consumer_], &p_.map_h, h_bar_, o_.half_n + col, row, policy);
+    tma_load_2d(buffers_.staging[consumer_] + 3 * kStoreBoxBytes, &p_.map_h, h_bar_, col, row);
+    tma_load_2d(buffers_.h_up[consumer_], &p_.map_h, h_bar_, o_.half_n + col, row);
   }
 
   // The padded layout with 256-wide tiles (every slab row is the expert's or a pad row): per

@@ -62,13 +62,12 @@ class SwiGLUSavedHEpilogue {
   // The gate half, then the up half, of the raw accumulators through the staging buffer
   // and TMA stores, as C goes and for the same reason: h is twice C's size, and the bulk
   // stores drain under the next tile's MMAs where register stores would stall the warps.
-  // Evict-first: h is read only by the backward, and would push L1's operands out of L2.
   __device__ __forceinline__ void store_h_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
     const int consumer = out_.consumer();
     const int row = t.row(out_.padded()) + consumer * 64;
 #pragma unroll
     for (int part = 0; part < 2; ++part) {  // 0: gate columns, 1: up columns
-      store_slab_staged<kHalf, true>(map_h_, out_.staging(), consumer,
+      store_slab_staged<kHalf>(map_h_, out_.staging(), consumer,
                                part * half_n_ + t.n_tile * kHalf, row,
                                [&](int q, int half, int j) {
                                  return acc[Fragment::index(part * kHalf / 8 + q, half, j)];

@@ -69,36 +69,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
       "r"(smem_addr(src)), "r"(inner), "r"(outer)
       : "memory");
 }
-// An L2 policy that evicts first the lines of the accesses that carry it: for tensors that
-// one kernel streams through once (h, written by L1 and read by the dgrad a kernel later),
-// so that they do not push the GEMM operands' reused lines out of L2.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// tma_load_2d with an L2 cache policy (l2_evict_first_policy).
-__device__ __forceinline__ void tma_load_2d_hint(void* dst, const CUtensorMap* map,
-                                                 uint64_t* bar, int32_t inner, int32_t outer,
-                                                 uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(inner), "r"(outer),
-      "l"(policy)
-      : "memory");
-}
-
-// tma_store_2d with an L2 cache policy.
-__device__ __forceinline__ void tma_store_2d_hint(const CUtensorMap* map, const void* src,
-                                                  int32_t inner, int32_t outer, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], "
-      "[%1], %4;" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(smem_addr(src)), "r"(inner), "r"(outer), "l"(policy)
-      : "memory");
-}
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
