@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -138,6 +139,75 @@ __device__ __forceinline__ void load_dests(const Fp8RowDests& dests, int64_t row
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     d[i] = dest_entry(dests, rows, t.row0 + kRowsPerThread * rg + i, cg);
+  }
+}
+
+// ---- quantize_fp8_columns_gathered: where each padded row comes from.
+
+// This lane's row of row tile ti (row cg % 8 of its eight) as the plan's sorted row:
+// token -1 for a padding row (the expert's or the matrix's: zeros), slot only with weights.
+struct GatherRow {
+  int32_t token = -1, slot = -1;
+};
+
+__device__ __forceinline__ GatherRow gather_row(const Fp8PaddedSource& p, int64_t rows,
+                                                int64_t ti) {
+  // The tile belongs to one expert: the last whose first tile is <= ti (the search of
+  // gather_rows_padded); ti is below tile_offsets[E].
+  int lo = 0, hi = static_cast<int>(p.num_experts) - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(&p.tile_offsets[mid]) <= ti) lo = mid; else hi = mid - 1;
+  }
+  const int32_t first = __ldg(&p.expert_offsets[lo]);
+  const int64_t count = __ldg(&p.expert_offsets[lo + 1]) - first;
+  const int rg = threadIdx.x / kColGroups, cg = threadIdx.x % kColGroups;
+  const int64_t row = ti * kTile + kRowsPerThread * rg + cg % kRowsPerThread;
+  const int64_t local = row - int64_t(__ldg(&p.tile_offsets[lo])) * kTile;
+  GatherRow g;
+  if (row < rows && local < count) {
+    const int64_t r = first + local;
+    g.token = __ldg(&p.row_token[r]);
+    if (p.slot_weights != nullptr) g.slot = __ldg(&p.row_slot[r]);
+  }
+  return g;
+}
+
+__device__ __forceinline__ float slot_weight(const Fp8PaddedSource& p, const GatherRow& g) {
+  return p.slot_weights != nullptr && g.slot >= 0 ? __ldg(&p.slot_weights[g.slot]) : 0.0f;
+}
+
+// The unscaled token rows of this thread's 8 x 8 values (padding rows: zeros), loaded by
+// cp.async into its 8 slots of `stage` (slot i at stage[i * kThreads + threadIdx.x]): the
+// values wait in shared memory instead of registers, which gives the gathered kernel 3 CTAs
+// per SM (80 registers; it held the next tile in 32 more registers at 2 CTAs per SM).
+__device__ __forceinline__ void load_gathered_async(const Fp8QuantizeArgs& a, const TilePos& t,
+                                                    const GatherRow& g, uint4* stage) {
+  const __nv_bfloat16* xb = a.x + t.col0 + 8 * (threadIdx.x % kColGroups);
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int32_t token = __shfl_sync(~0u, g.token, row_lane(i));
+    const uint32_t dst =
+        static_cast<uint32_t>(__cvta_generic_to_shared(stage + i * kThreads + threadIdx.x));
+    const __nv_bfloat16* src = xb + max(token, 0) * a.x_row;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(token >= 0 ? 16 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// The token rows times their slot weights, as gather_rows_padded rounds them (padding rows
+// stay zeros). Applied when the tile is quantized, not at the load: the prefetched values
+// are still in flight then.
+__device__ __forceinline__ void scale_gathered(const Fp8PaddedSource& p, const GatherRow& g,
+                                               float w, uint4 (&v)[kRowsPerThread]) {
+  if (p.slot_weights == nullptr) return;
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int32_t token = __shfl_sync(~0u, g.token, row_lane(i));
+    const float wi = __shfl_sync(~0u, w, row_lane(i));
+    if (token >= 0) v[i] = scale_bf16x8(v[i], wi);
   }
 }
 
@@ -307,22 +377,67 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
   }
 }
 
-// The to-rows kernel (kToRows) loops: a CTA quantizes tiles blockIdx.x, blockIdx.x +
-// gridDim.x, ... (a persistent grid of a few CTAs per SM), each tile's loads issued before
-// the previous tile is quantized and stored (once the previous tile's values have been
-// read, into each thread's own slots of shared memory by cp.async), so that a CTA has a
-// tile's 32 KB in flight while it works (one tile per CTA left the loads of a CTA idle
-// through its reductions and stores). Tiles go to CTAs in the order of one CTA per tile, so
-// the CTAs at work at one time read neighbouring tiles.
-template <Fp8Blocks kBlocks, bool kToRows = false>
+// A CTA of the kernels that loop (kToRows, kGathered) quantizes tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ... (a persistent grid of a few CTAs per SM): each tile's loads
+// are issued before the previous tile is quantized and stored (once the previous tile's
+// values have been read, into each thread's own slots of shared memory by cp.async),
+// so that a CTA has a tile's 32 KB in flight while it works (one tile per CTA left the
+// loads of a CTA idle through its reductions, barriers and stores), and with the gathered
+// rows the index loads that the addresses wait for (the expert search, row_token, row_slot
+// -> slot_weights) are a tile further ahead still. kToRows: tiles go to CTAs in the order
+// of one CTA per tile, so
+// the CTAs at work at one time read neighbouring tiles. kGathered: the tile's rows are
+// padded rows of a routing plan over the token matrix x (`dests` is then an
+// Fp8PaddedSource), read as gather_rows_padded would write them, and the tiles go column
+// stripe by column stripe (gathered_pos): every token is gathered into top-k experts' rows,
+// and the CTAs at work at one time read one or two 128-column stripes of x (4 MB at 16384
+// tokens of bf16), which stay in L2 across those k reads, where row-tile order reads whole
+// token rows that L2 has evicted by the token's next expert.
+template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
 __global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
-                        Fp8RowDests dests) {
+                        std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
   static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
+  static_assert(!kGathered || (kBlocks == Fp8Blocks::kColumns128 && !kToRows));
   __shared__ TileSmem sm;
   const int32_t no_dests[kRowsPerThread] = {};  // (for the kernels without destinations)
 
-  if constexpr (kToRows) {
+  if constexpr (kGathered) {
+    const Fp8PaddedSource& p = dests;
+    // Row tiles from tile_offsets[E] on have no rows of the plan and are not written.
+    const int64_t used = min(row_tiles, int64_t(max(__ldg(&p.tile_offsets[p.num_experts]), 0)));
+    const int64_t tiles = used * col_tiles, stride = gridDim.x;
+    int64_t tile = blockIdx.x;
+    if (tile >= tiles) return;
+    // Each thread's next-tile values wait in its own slots of `stage` (dynamic shared
+    // memory, kStageBytes), written by its cp.async and read by it alone: no barrier.
+    extern __shared__ uint4 stage[];
+    GatherRow g = gather_row(p, a.rows, tile % used), g1;
+    load_gathered_async(a, gathered_pos(tile, used), g, stage);
+    float w = slot_weight(p, g);
+    if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) % used);
+    for (;;) {
+      const int64_t next = tile + stride, after = next + stride;
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      uint4 v[kRowsPerThread];
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
+      const float w1 = next < tiles ? slot_weight(p, g1) : 0.0f;
+      GatherRow g2;
+      if (after < tiles) g2 = gather_row(p, a.rows, after % used);
+      scale_gathered(p, g, w, v);
+      // The next tile's loads go out once v has been read (its slots are then free).
+      const auto load_next = [&] {
+        if (next < tiles) load_gathered_async(a, gathered_pos(next, used), g1, stage);
+      };
+      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm, load_next);
+      if (next >= tiles) break;
+      g = g1;
+      w = w1;
+      g1 = g2;
+      tile = next;
+    }
+  } else if constexpr (kToRows) {
     const uint32_t tiles = static_cast<uint32_t>(a.batches * row_tiles * col_tiles);
     const auto pos_of = [&](uint32_t tile) { return tile_pos32(tile, row_tiles, col_tiles); };
     uint32_t tile = blockIdx.x;
@@ -394,204 +509,6 @@ __global__ void __launch_bounds__(kThreads, 3)
     if (next >= tiles) break;
     tile = next;
     pos = npos;
-  }
-}
-
-// ---- quantize_fp8_columns_gathered: kColumns128 of padded rows gathered from x.
-//
-// The tile's rows are padded rows of a routing plan over the token matrix x, read as
-// gather_rows_padded would write them. Its own thread layout: warp w holds columns 16 w ..
-// 16 w + 15 of the tile over all 128 rows, thread (w, lane) rows 8 (lane % 16) .. + 7 of
-// columns 8 (2 w + lane / 16) .. + 7. A column's 128 rows then lie in one half-warp: its
-// maximum takes four shuffles, and its transposed e4m3 row leaves from registers, each
-// half-warp store writing 128 contiguous bytes of it. No shared memory holds the tile and
-// the only barrier per tile is the index ring's (quantize_tile's layout, a half-warp per
-// row, takes three per tile; this kernel was latency-bound with them, at 30-35% of DRAM
-// bandwidth).
-//
-// Pipeline of a CTA's j-th tile (tiles blockIdx.x, + gridDim.x, ..., column stripe by
-// column stripe: gathered_pos), ring slot j % 2:
-//   1. thread r < 128 (row r's indexer) writes row r's token of tile j + 1 and its slot
-//      weight of tile j into the slot, then issues the loads of tile j + 2's row r (the
-//      expert search, row_token, row_slot) and tile j + 1's weight;
-//   2. every thread waits for its cp.async of tile j and reads its values;
-//   3. barrier;
-//   4. the values are scaled by their rows' weights and tile j + 1's loads go out by
-//      cp.async into the slots just read;
-//   5. tile j is quantized and stored.
-// Slot j % 2 is written again in iteration j + 2, after every thread has passed iteration
-// j + 1's barrier and so finished iteration j's reads of it. The index loads run two tiles
-// ahead of their use and the values one tile ahead.
-
-// Row r of row tile ti as the plan's sorted row: token -1 for a padding row (the expert's
-// or the matrix's: zeros), slot only with weights.
-struct GatherRow {
-  int32_t token = -1, slot = -1;
-};
-
-__device__ __forceinline__ GatherRow gather_row(const Fp8PaddedSource& p, int64_t rows,
-                                                int64_t ti, int r) {
-  // The tile belongs to one expert: the last whose first tile is <= ti (the search of
-  // gather_rows_padded); ti is below tile_offsets[E].
-  int lo = 0, hi = static_cast<int>(p.num_experts) - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(&p.tile_offsets[mid]) <= ti) lo = mid; else hi = mid - 1;
-  }
-  const int32_t first = __ldg(&p.expert_offsets[lo]);
-  const int64_t count = __ldg(&p.expert_offsets[lo + 1]) - first;
-  const int64_t row = ti * kTile + r;
-  const int64_t local = row - int64_t(__ldg(&p.tile_offsets[lo])) * kTile;
-  GatherRow g;
-  if (row < rows && local < count) {
-    const int64_t sorted = first + local;
-    g.token = __ldg(&p.row_token[sorted]);
-    if (p.slot_weights != nullptr) g.slot = __ldg(&p.row_slot[sorted]);
-  }
-  return g;
-}
-
-// A padding row's weight is 0: its zeros stay +0 when scaled.
-__device__ __forceinline__ float slot_weight(const Fp8PaddedSource& p, const GatherRow& g) {
-  return p.slot_weights != nullptr && g.slot >= 0 ? __ldg(&p.slot_weights[g.slot]) : 0.0f;
-}
-
-struct GatheredRing {
-  alignas(16) int32_t token[2][kTile];
-  alignas(16) float weight[2][kTile];
-};
-
-__device__ __forceinline__ int gathered_rows0() { return kRowsPerThread * (threadIdx.x % 16); }
-__device__ __forceinline__ int gathered_col() {
-  return 8 * (2 * (threadIdx.x / 32) + threadIdx.x % 32 / 16);
-}
-
-// This thread's 8 x 8 unscaled values of tile t (padding rows: zeros), by cp.async into its
-// 8 slots of `stage` (slot i at stage[i * kThreads + threadIdx.x]), the rows' tokens from
-// `tokens` (the ring slot's).
-__device__ __forceinline__ void load_gathered_async(const Fp8QuantizeArgs& a, const TilePos& t,
-                                                    const int32_t* tokens, uint4* stage) {
-  const __nv_bfloat16* xb = a.x + t.col0 + gathered_col();
-  const int4* tok4 = reinterpret_cast<const int4*>(tokens + gathered_rows0());
-  const int4 ta = tok4[0], tb = tok4[1];
-  const int32_t token[kRowsPerThread] = {ta.x, ta.y, ta.z, ta.w, tb.x, tb.y, tb.z, tb.w};
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    const uint32_t dst =
-        static_cast<uint32_t>(__cvta_generic_to_shared(stage + i * kThreads + threadIdx.x));
-    const __nv_bfloat16* src = xb + max(token[i], 0) * a.x_row;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(token[i] >= 0 ? 16 : 0)
-                 : "memory");
-  }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Tile t of this thread's values (already scaled): the column scales and the transposed
-// e4m3 values, with quantize_tile's arithmetic for kColumns128 (so the same bits).
-__device__ __forceinline__ void quantize_gathered_tile(const Fp8QuantizeArgs& a,
-                                                       const TilePos& t,
-                                                       const uint4 (&v)[kRowsPerThread]) {
-  const int rg = threadIdx.x % 16, col = gathered_col();
-  // Per column pair (word w: columns 2w, 2w + 1), the packed maxima of the 8 rows, then of
-  // the half-warp's 16 row groups: all 128 rows.
-  uint32_t c[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    c[0] = max_halves(c[0], v[i].x & kBf16AbsMask2);
-    c[1] = max_halves(c[1], v[i].y & kBf16AbsMask2);
-    c[2] = max_halves(c[2], v[i].z & kBf16AbsMask2);
-    c[3] = max_halves(c[3], v[i].w & kBf16AbsMask2);
-  }
-#pragma unroll
-  for (int off = 1; off < 16; off *= 2) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) c[w] = max_halves(c[w], __shfl_xor_sync(~0u, c[w], off));
-  }
-  float r[8];
-  uint32_t nan_lo = 0, nan_hi = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const Fp8BlockScale s = fp8_block_scale_bf16(j % 2 ? c[j / 2] >> 16 : c[j / 2] & 0xFFFFu);
-    r[j] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
-    const uint32_t byte = s.nonfinite ? 0xFFu << (8 * (j % 4)) : 0u;
-    (j < 4 ? nan_lo : nan_hi) |= byte;
-    if (rg == j) a.scales[(t.col0 + col + j) * a.s_0 + t.ti * a.s_1] = s.scale;
-  }
-  uint32_t qlo[kRowsPerThread], qhi[kRowsPerThread];
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    qlo[i] = mask_nan(fp8_quad(v[i].x, v[i].y, r[0], r[1], r[2], r[3]), nan_lo);
-    qhi[i] = mask_nan(fp8_quad(v[i].z, v[i].w, r[4], r[5], r[6], r[7]), nan_hi);
-  }
-  // Column j of this thread's block: rows 0-3 in .x, rows 4-7 in .y.
-  uint32_t c03_r03[4], c03_r47[4], c47_r03[4], c47_r47[4];
-  transpose4x4(qlo[0], qlo[1], qlo[2], qlo[3], c03_r03);
-  transpose4x4(qlo[4], qlo[5], qlo[6], qlo[7], c03_r47);
-  transpose4x4(qhi[0], qhi[1], qhi[2], qhi[3], c47_r03);
-  transpose4x4(qhi[4], qhi[5], qhi[6], qhi[7], c47_r47);
-  uint8_t* tb = a.q_t + (t.col0 + col) * a.t_row + t.row0 + gathered_rows0();
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    *reinterpret_cast<uint2*>(tb + j * a.t_row) = make_uint2(c03_r03[j], c03_r47[j]);
-    *reinterpret_cast<uint2*>(tb + (j + 4) * a.t_row) = make_uint2(c47_r03[j], c47_r47[j]);
-  }
-}
-
-// 64 registers: 4 CTAs per SM (32 warps to hide the gathers' latency).
-__global__ void __launch_bounds__(kThreads, 4)
-    quantize_fp8_columns_gathered_kernel(Fp8QuantizeArgs a, int64_t row_tiles,
-                                         int64_t col_tiles, Fp8PaddedSource p) {
-  __shared__ GatheredRing ring;
-  extern __shared__ uint4 stage[];
-  // Row tiles from tile_offsets[E] on have no rows of the plan and are not written.
-  const int64_t used = min(row_tiles, int64_t(max(__ldg(&p.tile_offsets[p.num_experts]), 0)));
-  const int64_t tiles = used * col_tiles, stride = gridDim.x;
-  int64_t tile = blockIdx.x;
-  if (tile >= tiles) return;
-  const bool indexer = threadIdx.x < kTile;
-  const bool weighted = p.slot_weights != nullptr;
-  const int r = threadIdx.x;  // an indexer's row
-
-  // Tile 0's tokens through slot 1 (first written again in iteration 1, after iteration 0's
-  // barrier).
-  GatherRow g1, g2;
-  float w = 0.0f, w1 = 0.0f;
-  if (indexer) {
-    const GatherRow g0 = gather_row(p, a.rows, tile % used, r);
-    ring.token[1][r] = g0.token;
-    w = slot_weight(p, g0);
-    if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) % used, r);
-  }
-  __syncthreads();
-  load_gathered_async(a, gathered_pos(tile, used), ring.token[1], stage);
-  for (int slot = 0;; slot ^= 1) {
-    const int64_t next = tile + stride, after = next + stride;
-    if (indexer) {
-      ring.token[slot][r] = g1.token;
-      ring.weight[slot][r] = w;
-      w1 = next < tiles ? slot_weight(p, g1) : 0.0f;
-      g2 = after < tiles ? gather_row(p, a.rows, after % used, r) : GatherRow{};
-    }
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    uint4 v[kRowsPerThread];
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
-    __syncthreads();
-    if (weighted) {
-      // As gather_rows_padded rounds them.
-      const float4* w4 = reinterpret_cast<const float4*>(ring.weight[slot] + gathered_rows0());
-      const float4 wa = w4[0], wb = w4[1];
-      const float wi[kRowsPerThread] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) v[i] = scale_bf16x8(v[i], wi[i]);
-    }
-    if (next < tiles) load_gathered_async(a, gathered_pos(next, used), ring.token[slot], stage);
-    quantize_gathered_tile(a, gathered_pos(tile, used), v);
-    if (next >= tiles) break;
-    tile = next;
-    w = w1;
-    g1 = g2;
   }
 }
 
@@ -745,9 +662,12 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
       (src.slot_weights && !src.row_slot)) {
     fail("null routing plan pointer in src");
   }
-  constexpr auto kernel = &quantize_fp8_columns_gathered_kernel;
-  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes, stream>>>(
-      a, row_tiles_of(a), a.cols / kTile, src);
+  constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>;
+  // Static and dynamic shared memory above 48 KB: opted in on every call (per device).
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kStageBytes));
+  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes,
+           stream>>>(a, row_tiles_of(a), a.cols / kTile, src);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
