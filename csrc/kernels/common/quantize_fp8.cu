@@ -23,8 +23,8 @@ constexpr int kWarps = kThreads / 32;
 // 16-byte loads, each half-warp reading 256 contiguous bytes of one row.
 constexpr int kColGroups = 16;
 constexpr int kRowsPerThread = 8;
-// Dynamic shared memory of the looping kernels that stage their next tile (gathered columns,
-// to rows): one tile of bf16 values, 16 bytes per thread and row.
+// Dynamic shared memory of the looping kernels, which stage their next tile there (gathered
+// columns, to rows, rows and columns): one tile of bf16 values, 16 bytes per thread and row.
 constexpr int kStageBytes = kRowsPerThread * kThreads * 16;
 
 // out[j] = byte j of a0, a1, a2, a3 (a0's in the low byte): a 4 x 4 byte transpose.
@@ -102,8 +102,9 @@ __device__ __forceinline__ void load_rows(const Fp8QuantizeArgs& a, const TilePo
 }
 
 // This thread's 8 x 8 values of a tile of x, loaded by cp.async into its 8 slots of `stage`
-// (slot i at stage[i * kThreads + threadIdx.x]); rows from a.rows on as zeros. The to-rows
-// kernel's next tile waits there instead of in 32 registers (3 CTAs per SM instead of 2).
+// (slot i at stage[i * kThreads + threadIdx.x]); rows from a.rows on as zeros. The next
+// tile of the to-rows and the rows-and-columns kernels waits there instead of in 32
+// registers (3 CTAs per SM instead of 2).
 __device__ __forceinline__ void load_rows_async(const Fp8QuantizeArgs& a, const TilePos& t,
                                                 uint4* stage) {
   const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
