@@ -616,14 +616,18 @@ unsigned checked_grid(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows,
   return static_cast<unsigned>(tiles);
 }
 
-// The grid of a kernel that loops over its `tiles`: as many CTAs as fit on the SMs at once
-// (sm_count(): the device's, or an SmLimit's), or one per tile when there are fewer.
-template <auto kKernel, int kDynamicSmem = 0>
+// The grid of a kernel that loops over its `tiles` (launched with kStageBytes of dynamic
+// shared memory): as many CTAs as fit on the SMs at once (sm_count(): the device's, or an
+// SmLimit's), or one per tile when there are fewer. Static and dynamic shared memory can
+// pass 48 KB, so the kernel is opted in on every call (the attribute is per device).
+template <auto kKernel>
 unsigned persistent_grid(unsigned tiles) {
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kStageBytes));
   static const int per_sm = [] {
     int n = 0;
     MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads,
-                                                                     kDynamicSmem));
+                                                                     kStageBytes));
     return n > 0 ? n : 1;
   }();
   return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t(per_sm) * sm_count()));
@@ -664,11 +668,8 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
     fail("null routing plan pointer in src");
   }
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>;
-  // Static and dynamic shared memory above 48 KB: opted in on every call (per device).
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          kStageBytes));
-  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes,
-           stream>>>(a, row_tiles_of(a), a.cols / kTile, src);
+  kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
+      a, row_tiles_of(a), a.cols / kTile, src);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -679,9 +680,7 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   if (grid == 0) return;
   if (dests.rows == nullptr) fail("null dests.rows");
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>;
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          kStageBytes));
-  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes, stream>>>(
+  kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
       a, row_tiles_of(a), a.cols / kTile, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -715,9 +714,7 @@ void quantize_fp8_rows_and_columns(const Fp8QuantizeArgs& rows, const Fp8Quantiz
   checked_grid(Fp8Blocks::kColumns128, columns, false, "columns: ");  // the same tiles
   if (grid == 0) return;
   constexpr auto kernel = &quantize_fp8_rows_and_columns_kernel;
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          kStageBytes));
-  kernel<<<persistent_grid<kernel, kStageBytes>(grid), kThreads, kStageBytes, stream>>>(
+  kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
       rows, columns, row_tiles_of(rows), rows.cols / kTile);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
