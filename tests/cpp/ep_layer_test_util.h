@@ -365,9 +365,33 @@ class EpLayerTest : public RanksTest {
     dx = sum_partials(dxs);
   }
 
+  // The one-GPU layers' backward tensors on device 0 (dy uploaded, the gradients allocated)
+  // and the download of their results (one_gpu, and the FP8 tests' one_gpu_fp8).
+  struct OneGpuGrads {
+    megamoe_tensor dy, dx, dp, d1, d2;
+  };
+  OneGpuGrads one_gpu_grads() {
+    const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
+    return {dense_tensor(upload_on(0, dy_), MEGAMOE_DTYPE_BFLOAT16, {T, H}),
+            dense_tensor(alloc_on(0, T * H * 2), MEGAMOE_DTYPE_BFLOAT16, {T, H}),
+            dense_tensor(alloc_on(0, T * k * 4), MEGAMOE_DTYPE_FLOAT32, {T, k}),
+            dense_tensor(alloc_on(0, E * 2 * I * H * 2), MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H}),
+            dense_tensor(alloc_on(0, E * H * I * 2), MEGAMOE_DTYPE_BFLOAT16, {E, H, I})};
+  }
+  SingleRank download_one_gpu(const megamoe_tensor& y, const OneGpuGrads& g) {
+    const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    SingleRank out;
+    out.y = download<uint16_t>(y.data, T * H);
+    out.dx = download<uint16_t>(g.dx.data, T * H);
+    out.dp = download<float>(g.dp.data, T * k);
+    out.dw1 = download<uint16_t>(g.d1.data, E * 2 * I * H);
+    out.dw2 = download<uint16_t>(g.d2.data, E * H * I);
+    return out;
+  }
+
   // The one-GPU fused layer (forward, backward in recompute mode) on the whole problem.
   SingleRank one_gpu() {
-    SingleRank out;
     const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
     EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
     megamoe_tensor gx = dense_tensor(upload_on(0, x_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
@@ -382,23 +406,13 @@ class EpLayerTest : public RanksTest {
                                     bytes, nullptr),
               MEGAMOE_SUCCESS)
         << megamoe_last_error();
-    megamoe_tensor gdy = dense_tensor(upload_on(0, dy_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
-    megamoe_tensor gdx = dense_tensor(alloc_on(0, T * H * 2), MEGAMOE_DTYPE_BFLOAT16, {T, H});
-    megamoe_tensor gdp = dense_tensor(alloc_on(0, T * k * 4), MEGAMOE_DTYPE_FLOAT32, {T, k});
-    megamoe_tensor gd1 = dense_tensor(alloc_on(0, E * 2 * I * H * 2), MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
-    megamoe_tensor gd2 = dense_tensor(alloc_on(0, E * H * I * 2), MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
+    OneGpuGrads g = one_gpu_grads();
     EXPECT_EQ(megamoe_fused_backward_workspace_size(T, k, H, I, E, 0, &bytes), MEGAMOE_SUCCESS);
-    EXPECT_EQ(megamoe_fused_backward(&gdy, &gx, &gids, &gp, &gw1, &gw2, nullptr, &gdx, &gdp, &gd1,
-                                     &gd2, alloc_on(0, bytes), bytes, nullptr),
+    EXPECT_EQ(megamoe_fused_backward(&g.dy, &gx, &gids, &gp, &gw1, &gw2, nullptr, &g.dx, &g.dp,
+                                     &g.d1, &g.d2, alloc_on(0, bytes), bytes, nullptr),
               MEGAMOE_SUCCESS)
         << megamoe_last_error();
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    out.y = download<uint16_t>(gy.data, T * H);
-    out.dx = download<uint16_t>(gdx.data, T * H);
-    out.dp = download<float>(gdp.data, T * k);
-    out.dw1 = download<uint16_t>(gd1.data, E * 2 * I * H);
-    out.dw2 = download<uint16_t>(gd2.data, E * H * I);
-    return out;
+    return download_one_gpu(gy, g);
   }
 
   // The whole comparison of a case (the header comment lists it). tokens: per rank.

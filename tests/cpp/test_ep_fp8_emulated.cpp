@@ -97,7 +97,6 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
   // The one-GPU FP8 layer on the whole problem (make_global_experts() first): forward,
   // backward in recompute mode with bf16 weight gradients.
   SingleRank one_gpu_fp8() {
-    SingleRank out;
     const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
     EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
     using megamoe_test::dense_tensor;
@@ -129,25 +128,15 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
                 MEGAMOE_SUCCESS)
           << megamoe_last_error();
     }
-    megamoe_tensor gdy = dense_tensor(upload_on(0, dy_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
-    megamoe_tensor gdx = dense_tensor(alloc_on(0, T * H * 2), MEGAMOE_DTYPE_BFLOAT16, {T, H});
-    megamoe_tensor gdp = dense_tensor(alloc_on(0, T * k * 4), MEGAMOE_DTYPE_FLOAT32, {T, k});
-    megamoe_tensor gd1 = dense_tensor(alloc_on(0, E * 2 * I * H * 2), MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
-    megamoe_tensor gd2 = dense_tensor(alloc_on(0, E * H * I * 2), MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
+    OneGpuGrads gr = one_gpu_grads();
     EXPECT_EQ(megamoe_fused_fp8_backward_workspace_size(T, k, H, I, E, 0, forward_fp8(), &bytes),
               MEGAMOE_SUCCESS);
-    EXPECT_EQ(megamoe_fused_fp8_backward(&gdy, &gx, &gids, &gp, &gw1, &gw2, &q1, &t1, &s1, &t2, &s2,
-                                         forward_fp8(), nullptr, &gdx, &gdp, &gd1, &gd2,
-                                         alloc_on(0, bytes), bytes, nullptr),
+    EXPECT_EQ(megamoe_fused_fp8_backward(&gr.dy, &gx, &gids, &gp, &gw1, &gw2, &q1, &t1, &s1, &t2,
+                                         &s2, forward_fp8(), nullptr, &gr.dx, &gr.dp, &gr.d1,
+                                         &gr.d2, alloc_on(0, bytes), bytes, nullptr),
               MEGAMOE_SUCCESS)
         << megamoe_last_error();
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    out.y = download<uint16_t>(gy.data, T * H);
-    out.dx = download<uint16_t>(gdx.data, T * H);
-    out.dp = download<float>(gdp.data, T * k);
-    out.dw1 = download<uint16_t>(gd1.data, E * 2 * I * H);
-    out.dw2 = download<uint16_t>(gd2.data, E * H * I);
-    return out;
+    return download_one_gpu(gy, gr);
   }
 
   // The EP layer at this precision against the one-GPU and EP=1 FP8 layers (the header
