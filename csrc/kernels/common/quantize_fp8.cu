@@ -335,23 +335,6 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
       const uint2 q = make_uint2(qlo[i], qhi[i]);
       const int64_t row = row0 + kRowsPerThread * rg + i;
       if constexpr (kToRows) {
-        // Whole 16-byte groups of entries (per_row a multiple of 4, an aligned map): each
-        // lane reads the row's entries itself, one broadcast load of the half-warp per 4
-        // entries (the L1/TEX pipe), where the shuffles below wait on the MIO pipe that the
-        // rows' maxima also use.
-        if (dests.per_row % 4 == 0 && (reinterpret_cast<uintptr_t>(dests.rows) & 15) == 0) {
-          if (row < a.rows) {
-            const int4* e4 = reinterpret_cast<const int4*>(dests.rows + row * dests.per_row);
-            for (int64_t j4 = 0; j4 < dests.per_row / 4; ++j4) {
-              const int4 e = __ldg(e4 + j4);
-              if (e.x >= 0) *reinterpret_cast<uint2*>(qb + e.x * a.q_row) = q;
-              if (e.y >= 0) *reinterpret_cast<uint2*>(qb + e.y * a.q_row) = q;
-              if (e.z >= 0) *reinterpret_cast<uint2*>(qb + e.z * a.q_row) = q;
-              if (e.w >= 0) *reinterpret_cast<uint2*>(qb + e.w * a.q_row) = q;
-            }
-          }
-          continue;
-        }
         // The half-warp writes the row to each destination in turn, entry j from lane j.
         // (Uniform loops: every lane shuffles, rows past a.rows have no destinations.)
         for (int64_t j0 = 0; j0 < dests.per_row; j0 += kColGroups) {
