@@ -397,6 +397,145 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUBackwardGpu, ::testing::ValuesIn(fp8_cases()),
                          fp8_case_name);
 
+// The dgrad writing dh as its FP8 rows and columns (Fp8DhOut) against the bf16 dh quantized
+// by quantize_fp8_rows_and_columns, bit for bit, with a, the dp partials and the pad rows'
+// zeros. The padded C with A by TMA (the wide tiles), two N-tiles of 256 (I = 512). Among
+// the rows: one of dy all zeros (its dh rows take the amax floor) and one whose dy scales
+// are Inf (its blocks, and its tile's column blocks, non-finite).
+class Fp8SwiGLUBackwardDhGpu : public Fp8SwiGLURowsGpu {};
+
+TEST_P(Fp8SwiGLUBackwardDhGpu, EqualsTheQuantizedBf16Dh) {
+  const Fp8Case& p = GetParam();
+  if (!megamoe::sm90::fp8_swiglu_backward_quantizes(256, false)) GTEST_SKIP() << "no 256-wide tiles";
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const HostGroups g(megamoe_test::awkward_counts());
+  const int64_t H = 384, I = 512, E = g.num_experts();
+  const Fp8A dy = make_fp8_a(g, p.a, H, 300, rng);
+  set_row(g, p.a, dy, H, g.offsets[1] + 5, true);
+  set_row(g, p.a, dy, H, g.offsets[2] + 70, false);
+  const Fp8B w_t = make_fp8_b(E, I, H, p.transposed_scales, rng);
+  const std::vector<uint16_t> h = megamoe_test::random_bf16(g.rows * 2 * I, rng, 1.5);
+  const megamoe_test::SwiGLUSlots slots = megamoe_test::random_swiglu_slots(g.rows, rng);
+  megamoe::sm90::MGroupedFp8GemmArgs args = fp8_args(g, dy, w_t, H, I, 2 * I, RowLayout::kPadded);
+  const int64_t rows = args.c.rows, cols = 2 * I, scale_ld = rows + 4;
+  ASSERT_EQ(rows % 128, 0);
+  const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I, false);
+
+  // The reference: the bf16 dh, then one pass over it.
+  const megamoe::sm90::SwiGLUGradArgs ref_grads =
+      swiglu_grads(h, slots, g.rows, dp_cols, poisoned_bf16(rows * I));
+  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, ref_grads, stream_);
+  megamoe::Fp8QuantizeArgs qr, qc;
+  qr.x = qc.x = args.c.data;
+  qr.x_row = qc.x_row = cols;
+  qr.rows = qc.rows = rows;
+  qr.cols = qc.cols = cols;
+  qr.q = alloc<uint8_t>(rows * cols);
+  qr.q_row = cols;
+  qr.scales = alloc<float>(cols / 128 * scale_ld);
+  qr.s_0 = 1;
+  qr.s_1 = scale_ld;
+  qc.q_t = alloc<uint8_t>(cols * rows);
+  qc.t_row = rows;
+  qc.scales = alloc<float>(rows / 128 * cols);
+  qc.s_0 = 1;
+  qc.s_1 = cols;
+  megamoe::quantize_fp8_rows_and_columns(qr, qc, stream_);
+
+  megamoe::sm90::SwiGLUGradArgs grads = ref_grads;
+  grads.dp_partial = poisoned<float>(g.rows * dp_cols);
+  grads.a_out = poisoned_bf16(rows * I);
+  const megamoe::sm90::Fp8DhOut out{
+      {reinterpret_cast<__nv_fp8_e4m3*>(poisoned<uint8_t>(rows * cols)),
+       poisoned<float>(cols / 128 * scale_ld), scale_ld},
+      reinterpret_cast<__nv_fp8_e4m3*>(poisoned<uint8_t>(cols * rows)),
+      poisoned<float>(rows / 128 * cols)};
+  args.c.data = nullptr;
+  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, out, stream_);
+  CUDA_OK(cudaGetLastError());
+
+  const auto same = [&](const void* got, const void* want, int64_t bytes, const char* what) {
+    const std::vector<uint8_t> a = download(static_cast<const uint8_t*>(got), bytes);
+    const std::vector<uint8_t> b = download(static_cast<const uint8_t*>(want), bytes);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < bytes; ++i) bad += a[i] != b[i];
+    EXPECT_EQ(bad, 0) << what << ": bytes that differ of " << bytes;
+  };
+  same(out.rows.q, qr.q, rows * cols, "dh rows, e4m3");
+  for (int64_t b = 0; b < cols / 128; ++b) {  // each block's rows (not the scale_ld padding)
+    same(out.rows.scales + b * scale_ld, qr.scales + b * scale_ld, rows * 4, "dh rows, scales");
+  }
+  same(out.columns, qc.q_t, cols * rows, "dh columns, e4m3");
+  same(out.column_scales, qc.scales, rows / 128 * cols * 4, "dh columns, scales");
+  same(grads.a_out, ref_grads.a_out, rows * I * 2, "a");
+  same(grads.dp_partial, ref_grads.dp_partial, g.rows * dp_cols * 4, "dp partials");
+  // The special rows took their paths: the zero row's blocks the amax floor, the Inf row's
+  // NaN; and the data are not all of one kind.
+  const std::vector<float> s = download(out.rows.scales, cols / 128 * scale_ld);
+  const int64_t zero_row = g.padded_row(g.offsets[1] + 5), inf_row = g.padded_row(g.offsets[2] + 70);
+  for (int64_t b = 0; b < cols / 128; ++b) {
+    EXPECT_EQ(std::bit_cast<uint32_t>(s[b * scale_ld + zero_row]),
+              std::bit_cast<uint32_t>(0x1p-100f / 448.0f)) << "block " << b;
+    EXPECT_EQ(std::bit_cast<uint32_t>(s[b * scale_ld + inf_row]), 0x7FC00000u) << "block " << b;
+    EXPECT_TRUE(std::isfinite(s[b * scale_ld + zero_row + 1]) && s[b * scale_ld + zero_row + 1] > 0.f);
+  }
+}
+std::vector<Fp8Case> fp8_dh_cases() {  // A by TMA, C padded
+  std::vector<Fp8Case> cases = fp8_tma_cases();
+  cases.erase(std::remove_if(cases.begin(), cases.end(),
+                             [](const Fp8Case& c) { return c.c != RowLayout::kPadded; }),
+              cases.end());
+  return cases;
+}
+INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUBackwardDhGpu, ::testing::ValuesIn(fp8_dh_cases()),
+                         fp8_case_name);
+
+TEST(Fp8GemmArgs, RejectsBadFp8DhOutput) {
+  const auto fake = [](uintptr_t address) { return reinterpret_cast<void*>(address); };
+  megamoe::sm90::MGroupedFp8GemmArgs args;
+  args.k = 128;
+  args.n = 256;
+  args.c = {nullptr, 512, 128, RowLayout::kPadded};
+  megamoe::sm90::SwiGLUGradArgs grads;
+  grads.h = static_cast<const __nv_bfloat16*>(fake(256));
+  grads.slot_weights = static_cast<const float*>(fake(256));
+  grads.row_slot = static_cast<const int32_t*>(fake(256));
+  grads.dp_partial = static_cast<float*>(fake(256));
+  const megamoe::sm90::Fp8DhOut good{
+      {static_cast<__nv_fp8_e4m3*>(fake(512)), static_cast<float*>(fake(1024)), 128},
+      static_cast<__nv_fp8_e4m3*>(fake(2048)), static_cast<float*>(fake(4096))};
+  const auto call = [&](const megamoe::sm90::MGroupedFp8GemmArgs& a,
+                        const megamoe::sm90::Fp8DhOut& out) {
+    return [a, grads, out] {
+      megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(a, grads, out, nullptr);
+    };
+  };
+  auto sorted = args;
+  sorted.c.layout = RowLayout::kSorted;
+  megamoe_test::expect_invalid(call(sorted, good), "padded layout");
+  auto with_c = args;
+  with_c.c.data = static_cast<__nv_bfloat16*>(fake(256));
+  megamoe_test::expect_invalid(call(with_c, good), "args.c.data");
+  auto narrow = args;
+  narrow.n = 128;
+  megamoe_test::expect_invalid(call(narrow, good), "256-wide");
+  auto gathered = args;
+  gathered.a.gather = static_cast<const int32_t*>(fake(256));
+  megamoe_test::expect_invalid(call(gathered, good), "256-wide");
+  if (!megamoe::sm90::fp8_swiglu_backward_quantizes(args.n, false)) return;
+  auto out = good;
+  out.columns = nullptr;
+  megamoe_test::expect_invalid(call(args, out), "dh.columns");
+  out = good;
+  out.column_scales = static_cast<float*>(fake(4100));
+  megamoe_test::expect_invalid(call(args, out), "16-byte aligned");
+  out = good;
+  out.rows.scale_ld = 124;
+  megamoe_test::expect_invalid(call(args, out), "dh.rows.scale_ld");
+}
+
 class Fp8WeightGradGpu : public megamoe_test::GpuTest, public ::testing::WithParamInterface<bool> {};
 
 TEST_P(Fp8WeightGradGpu, MatchesDequantizedProduct) {
