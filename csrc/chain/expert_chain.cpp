@@ -130,11 +130,6 @@ bool fp8_unfused_columns() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_COLS"
 // bits are the same.
 bool fp8_unfused_quantization() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_QUANT"); }
 
-// MEGAMOE_FP8_DH_PASS set: the FP8 backward writes dh in bf16 and quantizes its rows and
-// columns in a separate pass (quantize_fp8_rows_and_columns), instead of in the L2 dgrad's
-// epilogue. A diagnostic, for an A/B of the two on the GPU; the bits are the same.
-bool fp8_dh_pass() { return diagnostic_switch("MEGAMOE_FP8_DH_PASS"); }
-
 // The padded rows of the plan over a token matrix (x, or dy scaled by the rows' slot
 // weights: p dy), [padded_rows, cols] as gather_rows_padded writes them, quantized into
 // the token-contiguous copy `out` without the bf16 copy (or, with fp8_unfused_columns(),
@@ -338,10 +333,8 @@ namespace {
 // The FP8 dgrads: z = dy W_down^T's product with dy quantized (into the sorted rows, or
 // gathered) -> dh, a and the dp partials; then dx rows = dh W_gate_up with dh quantized
 // (into token_rows, after the L2 GEMM has read dy's copy there). With dh_columns, dh's
-// token-contiguous copy for dW_gate_up goes into b.lhs_fp8 with its rows (unless
-// fp8_unfused_quantization()); returns whether it did. Both copies come out of the L2
-// dgrad's epilogue where its tiles are 256 wide, with no bf16 dh (else, or with
-// fp8_dh_pass(), from one pass over the bf16 dh).
+// token-contiguous copy for dW_gate_up goes into b.lhs_fp8 from the same read of dh as its
+// rows (unless fp8_unfused_quantization()); returns whether it did.
 bool backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
                         const BackwardBuffers& b, bool dx_rows, bool dh_columns,
                         cudaStream_t stream) {
@@ -349,24 +342,14 @@ bool backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16*
   const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, {}, H, b.dy_fp8, stream);
   sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, dy, as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
-  const sm90::SwiGLUGradArgs grads{h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a};
-  const bool fused = dh_columns && !fp8_unfused_quantization();
-  const bool in_epilogue = fused && dx_rows && !fp8_dh_pass() &&
-                           sm90::fp8_swiglu_backward_quantizes(I, dy.gather != nullptr);
-  if (in_epilogue) {
-    l2.c.data = nullptr;
-    const sm90::Fp8DhOut out{{b.dh_fp8.q, b.dh_fp8.scales, b.dh_fp8.scale_ld},
-                             b.lhs_fp8.q,
-                             b.lhs_fp8.scales};
-    sm90::m_grouped_fp8_gemm_nt_swiglu_backward(l2, grads, out, stream);
-  } else {
-    sm90::m_grouped_fp8_gemm_nt_swiglu_backward(l2, grads, stream);
-  }
+  sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
+      l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
   if (!dx_rows) return false;
-  if (fused && !in_epilogue) {
+  const bool fused = dh_columns && !fp8_unfused_quantization();
+  if (fused) {
     quantize_fp8_rows_and_columns(rows_args(b.dh, b.padded_rows, 2 * I, b.dh_fp8),
                                   columns_args(b.dh, b.padded_rows, 2 * I, b.lhs_fp8), stream);
-  } else if (!fused) {
+  } else {
     quantize_rows(b.dh, b.padded_rows, 2 * I, b.dh_fp8, stream);
   }
   const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,

@@ -35,13 +35,9 @@ enum class NamedBarrier : int {
   kSyncThreads = 0,  // __syncthreads's
   kConsumer0 = 1,
   kConsumer1 = 2,
-  kConsumers = 3,  // both consumer warpgroups (an epilogue that combines their slabs)
 };
 __device__ __forceinline__ void consumer_barrier_sync(int consumer) {
   named_barrier_sync(static_cast<int>(NamedBarrier::kConsumer0) + consumer, 128);
-}
-__device__ __forceinline__ void consumers_barrier_sync() {
-  named_barrier_sync(static_cast<int>(NamedBarrier::kConsumers), 256);
 }
 
 // setmaxnreg only moves registers within the block's launch allocation (384 x 168): what

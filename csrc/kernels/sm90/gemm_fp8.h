@@ -86,25 +86,6 @@ void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& args,
                                            const SwiGLUGradArgs& grads, cudaStream_t stream);
 int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered);
 
-// dh as the two e4m3 copies the FP8 backward's GEMMs read, instead of a bf16 C: its rows
-// `rows` [c.rows, 2I] with 1x128 scales (as Fp8RowsOut: the dx GEMM's A), and its
-// token-contiguous copy `columns` [2I, c.rows] with the scale of column j's rows 128b.. at
-// column_scales[b * 2I + j] (dW_gate_up's A). 16-byte aligned.
-struct Fp8DhOut {
-  Fp8RowsOut rows;
-  __nv_fp8_e4m3* columns = nullptr;
-  float* column_scales = nullptr;
-};
-
-// The same dgrad writing dh as `dh` (args.c gives its rows, padded; c.data must be null): the
-// bits of the bf16 dh quantized by quantize_fp8_rows_and_columns, without the bf16 dh. Only
-// where its tiles are 256 wide: fp8_swiglu_backward_quantizes(n, gathered) says whether a
-// call can (A by TMA, this build's tiles wide); the others are rejected.
-void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& args,
-                                           const SwiGLUGradArgs& grads, const Fp8DhOut& dh,
-                                           cudaStream_t stream);
-bool fp8_swiglu_backward_quantizes(int64_t n, bool gathered);
-
 // The weight gradient C[e * m + i, j] = sum_r a[r, i] * b[r, j] over expert e's padded rows,
 // from token-contiguous copies with a scale per column and 128 rows:
 //   a_t [m, padded_rows] e4m3, a_scales [padded_rows / 128, m] (column i, rows 128j.. at

@@ -74,9 +74,9 @@ template <int kBlockN, bool kGathered, bool kFp8Rows = false>
 using MGroupedFp8GemmNtSwiGLU =
     MGroupedGemm<WeightScales<kBlockN, BColumns::kGateUpHalves>, kGathered,
                  SwiGLUSavedHEpilogue<kBlockN, SwiGLUOutput<kBlockN, kFp8Rows>>>;
-template <int kBlockN, bool kGathered, bool kFp8Dh = false>
+template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLUBackward =
-    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN, kFp8Dh>>;
+    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
 template <int kBlockN>
 using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows, BColumns::kContiguous, kBlockN>,
                                        WeightGradEpilogue<kBlockN>>;

@@ -18,7 +18,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "kernels/common/sm_count.h"
@@ -28,18 +27,6 @@
 
 namespace megamoe::sm90 {
 
-// The kernel's register split (gemm_common.cuh): the mainloop's, or the epilogue's where it
-// names one (an epilogue whose consumers need more registers than the mainloop leaves).
-template <class Mainloop, class Epilogue>
-struct KernelRegisters {
-  using type = typename Mainloop::Registers;
-};
-template <class Mainloop, class Epilogue>
-  requires(!std::is_void_v<typename Epilogue::Registers>)
-struct KernelRegisters<Mainloop, Epilogue> {
-  using type = typename Epilogue::Registers;
-};
-
 template <Grouping kGrouping, class Mainloop_, class ALoad_, class BLoad_, class Epilogue_>
 struct GroupedGemm {
   using Mainloop = Mainloop_;
@@ -48,7 +35,6 @@ struct GroupedGemm {
   using Epilogue = Epilogue_;
   using Scheduler = TileScheduler<kGrouping, Mainloop::kBlockK>;
   using Producer = sm90::Producer<Mainloop, ALoad, BLoad>;
-  using Registers = typename KernelRegisters<Mainloop, Epilogue>::type;
 
   static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
   static_assert(Epilogue::kBColumns == BLoad::kColumns, "the epilogue needs another B tile");
@@ -128,14 +114,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const typename Gemm::Scheduler scheduler(p.scheduler);
   if (warpgroup == 0) {
     // The producer needs few registers: give them to the consumers' accumulators.
-    setmaxnreg_dec<Gemm::Registers::kProducerRegisters>();
+    setmaxnreg_dec<Mainloop::Registers::kProducerRegisters>();
     if (Producer::kThreads == 128 || threadIdx.x == 0) {
       Producer::run(p.a, p.b, p.mainloop, scheduler, smem.tiles, smem.pipeline);
     }
     return;
   }
 
-  setmaxnreg_inc<Gemm::Registers::kConsumerRegisters>();
+  setmaxnreg_inc<Mainloop::Registers::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   Epilogue epilogue(p.epilogue, smem.epilogue, smem.epilogue_barriers, consumer);
   const Mainloop mainloop(p.mainloop);

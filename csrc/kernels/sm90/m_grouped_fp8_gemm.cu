@@ -182,45 +182,6 @@ void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const S
   });
 }
 
-void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const SwiGLUGradArgs& g,
-                                           const Fp8DhOut& dh, cudaStream_t stream) {
-  const std::string name = "m_grouped_fp8_gemm_nt_swiglu_backward (FP8 dh)";
-  if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": I (n) must be a positive multiple of 128");
-  if (!g.h || !g.slot_weights || !g.row_slot || !g.dp_partial) {
-    throw_invalid(name + ": null h, slot_weights, row_slot or dp_partial");
-  }
-  if (a.c.data != nullptr) throw_invalid(name + ": args.c.data must be null (no bf16 dh is written)");
-  if (a.c.layout != RowLayout::kPadded || a.c.rows % 128 != 0) {
-    throw_invalid(name + ": dh must be in the padded layout (args.c.layout), its rows a multiple of 128");
-  }
-  if (a.a.gather != nullptr || !fp8_swiglu_backward_quantizes(a.n, false)) {
-    throw_invalid(name + ": needs 256-wide tiles: I (n) a multiple of 256, A by TMA (not "
-                         "args.a.gather) and a build with MEGAMOE_GEMM_MAX_BLOCK_N 256");
-  }
-  if (!dh.rows.q || !dh.rows.scales || !dh.columns || !dh.column_scales) {
-    throw_invalid(name + ": null dh.rows.q, dh.rows.scales, dh.columns or dh.column_scales");
-  }
-  for (const void* ptr : {static_cast<const void*>(dh.rows.q), static_cast<const void*>(dh.rows.scales),
-                          static_cast<const void*>(dh.columns), static_cast<const void*>(dh.column_scales)}) {
-    if (reinterpret_cast<uintptr_t>(ptr) % 16) throw_invalid(name + ": the dh outputs must be 16-byte aligned");
-  }
-  if (dh.rows.scale_ld % 4 != 0 || dh.rows.scale_ld < a.c.rows) {
-    throw_invalid(name + ": dh.rows.scale_ld must be a multiple of 4 and at least args.c.rows");
-  }
-  check_fp8(a, name);
-  if (a.groups.rows == 0) return;
-  using Gemm = MGroupedFp8GemmNtSwiGLUBackward<256, false, true>;
-  // The column maxima's kilobyte fits beside the bf16 path's stage ring, not instead of a stage.
-  static_assert(Gemm::kStages == MGroupedFp8GemmNtSwiGLUBackward<256, false>::kStages);
-  const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
-  const auto epilogue = Gemm::Epilogue::params_fp8(
-      g.h, a.groups.rows, dh.rows.q, dh.rows.scales, dh.rows.scale_ld, dh.columns,
-      dh.column_scales, g.a_out, a.c.rows, g.slot_weights, g.row_slot, g.dp_partial, a.n);
-  launch<Gemm>(a, b, a.n / 256, 0, epilogue, stream);
-}
-
-bool fp8_swiglu_backward_quantizes(int64_t n, bool gathered) { return wide_n(gathered, n); }
-
 int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered) {
   return n / (wide_n(gathered, n) ? 256 : 128);
 }
