@@ -402,6 +402,10 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
   return {};
 }
 
+bool wgrad_writes_token_rows(const Experts& w) {
+  return !w.fp8_backward() || fp8_unfused_columns();
+}
+
 void backward_wgrad(const Rows& rows, const Experts& w, const BackwardBuffers& b,
                     const WeightGrad& d_w_gate_up, const WeightGrad& d_w_down,
                     cudaStream_t stream, const DgradDone& done) {

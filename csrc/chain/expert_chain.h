@@ -207,11 +207,17 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
                          bool d_w_gate_up_wanted = false);
 
 // The weight gradients dW_down = (p dy)^T a and dW_gate_up = dh^T x ([E, H, I] and
-// [E, 2I, H]; zeros, or nothing added, for experts without rows). Overwrites b.token_rows:
-// launch it after whatever reads the dx rows. `done`: what this call's backward_dgrad
-// returned (nothing between them may write b.lhs_fp8).
+// [E, 2I, H]; zeros, or nothing added, for experts without rows). Overwrites b.token_rows
+// where wgrad_writes_token_rows(w) says so: launch it after whatever reads the dx rows then.
+// `done`: what this call's backward_dgrad returned (nothing between them may write
+// b.lhs_fp8).
 void backward_wgrad(const Rows& rows, const Experts& w, const BackwardBuffers& b,
                     const WeightGrad& d_w_gate_up, const WeightGrad& d_w_down,
                     cudaStream_t stream, const DgradDone& done = {});
+// Whether backward_wgrad writes b.token_rows (and so must not run beside a reader of the dx
+// rows there): the bf16 weight gradients gather p dy and x into it; the FP8 ones read the
+// token matrices in place, unless MEGAMOE_FP8_UNFUSED_COLS routes them through it. Read per
+// call, like that switch.
+bool wgrad_writes_token_rows(const Experts& w);
 
 }  // namespace megamoe::chain

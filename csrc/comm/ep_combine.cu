@@ -211,9 +211,9 @@ void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
 }  // namespace
 
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
-                  const float* dp_rows, cudaStream_t stream) {
-  combine_send_kernel<<<c.copy_blocks, kCopyThreads, 0, stream>>>(c.g.peers, c.buffer, rows,
-                                                                  row_weights, dp_rows, c.w.skip);
+                  const float* dp_rows, cudaStream_t stream, int blocks) {
+  combine_send_kernel<<<blocks > 0 ? blocks : c.copy_blocks, kCopyThreads, 0, stream>>>(
+      c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

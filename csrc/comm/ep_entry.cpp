@@ -64,6 +64,12 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
   // unless MEGAMOE_EP_FP8_BF16_DISPATCH is set (not "" or "0"), for an A/B of the quantized
   // dispatch on the GPUs. The workspace size depends on it (read on every group). Every rank
   // must see the same value.
+  // The backward's dx send beside the weight gradients (docs/expert-parallel.md, "Backward
+  // overlap"): off unless MEGAMOE_EP_OVERLAP_BACKWARD is set (not "" or "0"). Neither the
+  // buffer layout nor the workspace depends on it, and ranks may differ.
+  const char* overlap_backward = std::getenv("MEGAMOE_EP_OVERLAP_BACKWARD");
+  out.overlap_backward = overlap_backward != nullptr && overlap_backward[0] != '\0' &&
+                         std::strcmp(overlap_backward, "0") != 0;
   const char* bf16_dispatch = std::getenv("MEGAMOE_EP_FP8_BF16_DISPATCH");
   out.fp8_bf16_dispatch = bf16_dispatch != nullptr && bf16_dispatch[0] != '\0' &&
                           std::strcmp(bf16_dispatch, "0") != 0;

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
 #include "kernels/common/slot_reduce.h"
+#include "kernels/common/sm_count.h"
 
 namespace megamoe::ep {
 namespace {
@@ -339,9 +340,26 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   const chain::DgradDone done = chain::backward_dgrad(rows, experts, saved_h, b, true, stream,
                                                       /*d_w_gate_up_wanted=*/true);
   reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
-  combine_send(c, b.token_rows, nullptr, w.dp_rows, stream);
-  // The weight gradients stay here: they run while the peers finish.
-  chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
+  if (g.overlap_backward && !chain::wgrad_writes_token_rows(experts)) {
+    // The dx send on the side stream's copy blocks, launched first so that they find their
+    // SMs; the weight gradients beside it on the others (SmLimit). Neither writes what the
+    // other reads, and each output's bits are as in the default order.
+    const SideStream& side = side_stream_for(c);
+    const int copy_blocks = overlap_copy_blocks(c);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+    combine_send(c, b.token_rows, nullptr, w.dp_rows, side.stream, copy_blocks);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+    {
+      const SmLimit cap(std::max(1, c.sms - copy_blocks / 2));
+      chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
+    }
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+  } else {
+    combine_send(c, b.token_rows, nullptr, w.dp_rows, stream);
+    // The weight gradients stay here: they run while the peers finish.
+    chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
+  }
   combine_phase(c, stream);
 
   final_combine(c, dx, d_topk_weights, stream);

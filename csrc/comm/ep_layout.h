@@ -35,6 +35,12 @@ struct Group {
   // then on the peers' rows (docs/expert-parallel.md, "Forward overlap" (b)). Every rank of a
   // group must agree, and call with saved h all alike (the layout follows it).
   bool overlap_dispatch = false;
+  // The backward sends the dx rows back on a side stream while the weight gradients run on
+  // the caller's, their grids capped to leave the copy blocks their SMs
+  // (docs/expert-parallel.md, "Backward overlap"); where the weight gradients do not write
+  // the buffer the send reads (chain::wgrad_writes_token_rows: the FP8 backward), else the
+  // default order. A rank's own scheduling: the ranks need not agree.
+  bool overlap_backward = false;
   // The FP8 forward dispatches bf16 x rows and each owner quantizes the tokens it received,
   // instead of each rank quantizing its x once and dispatching e4m3 rows with their scales
   // (half the bytes). The same bits; kept for an A/B on the GPUs. Every rank of a group must

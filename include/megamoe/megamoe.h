@@ -367,7 +367,11 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
  * forward runs the default path whatever MEGAMOE_EP_EPILOGUE_COMBINE and
  * MEGAMOE_EP_OVERLAP_DISPATCH say. MEGAMOE_EP_FP8_BF16_DISPATCH=1 in the environment (read
  * when a group is used, the same on every rank) makes the forward move bf16 rows and the
- * owners quantize them, for an A/B: the same bits, a smaller workspace. */
+ * owners quantize them, for an A/B: the same bits, a smaller workspace.
+ * MEGAMOE_EP_OVERLAP_BACKWARD=1 (read when a group is used; ranks may differ) makes the FP8
+ * backward send its dx rows back on a second stream while the weight gradients run on the
+ * other SMs: the same bits. The second stream is made at a rank's first such call, which
+ * must not be under CUDA graph capture. */
 MEGAMOE_API megamoe_status megamoe_ep_fp8_workspace_size(const megamoe_ep_group* group,
                                                          int64_t tokens, int64_t intermediate,
                                                          size_t* bytes);

@@ -9,9 +9,10 @@
 //     within 5e-3 (one bf16 rounding per owner rank), and the forward against the float64
 //     CPU reference;
 //   - its own first call: later calls on the same buffers bitwise equal.
-// With epilogue_combine_, overlap_dispatch_ or fp8_bf16_dispatch_ set before prepare(),
-// every EP=W group runs the forward's epilogue combine, its dispatch beside the own rows'
-// chain, or (FP8) its bf16 dispatch (the Group fields of the same names); the EP=1
+// With epilogue_combine_, overlap_dispatch_, fp8_bf16_dispatch_ or overlap_backward_ set
+// before prepare(), every EP=W group runs the forward's epilogue combine, its dispatch beside
+// the own rows' chain, (FP8) its bf16 dispatch, or the backward's dx send beside its weight
+// gradients (the Group fields of the same names); the EP=1
 // references stay on the default path, so the comparisons above also say that the paths give
 // the same bits.
 // Owner o's partial row of a token is the sum over its slots on o, rounded once to bf16:
@@ -165,6 +166,7 @@ class EpLayerTest : public RanksTest {
     group_.epilogue_combine = epilogue_combine_;
     group_.overlap_dispatch = overlap_dispatch_;
     group_.fp8_bf16_dispatch = fp8_bf16_dispatch_;
+    group_.overlap_backward = overlap_backward_;
     group_.peers.world_size = W;
     tables_ = make_tables(ep_buffer_bytes(group_));
 
@@ -537,6 +539,7 @@ class EpLayerTest : public RanksTest {
   bool epilogue_combine_ = false;
   bool overlap_dispatch_ = false;
   bool fp8_bf16_dispatch_ = false;  // the EP=W groups' Group::fp8_bf16_dispatch
+  bool overlap_backward_ = false;   // the EP=W groups' Group::overlap_backward
   Problem p_;
   int64_t tokens_ = 0, e_local_ = 0;
   std::vector<uint16_t> x_, w1_, w2_, dy_;

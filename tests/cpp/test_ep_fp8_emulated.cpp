@@ -12,8 +12,9 @@
 // Each rank's FP8 weight copies are its experts' part of what the quantizer makes of the
 // global weights (128 x 128 blocks never cross experts). "fp8" runs twice: with the default
 // dispatch (x quantized on its rank, e4m3 rows and scales moved) and with the bf16 one
-// (Group::fp8_bf16_dispatch: the owner quantizes the bf16 rows it receives); the EP=1
-// references always take the default one, so both must give its bits.
+// (Group::fp8_bf16_dispatch: the owner quantizes the bf16 rows it receives), and a third time
+// with the backward's dx send beside its weight gradients (Group::overlap_backward); the EP=1
+// references always take the default paths, so every path must give their bits.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -37,9 +38,9 @@ struct Fp8Copy {
   void *q = nullptr, *q_t = nullptr, *scales = nullptr;
 };
 
-// The precision, and for "fp8" the forward's dispatch.
-enum Fp8Case { kFp8 = 0, kFp8Bwd = 1, kFp8Bf16Dispatch = 2 };
-const char* const kFp8CaseNames[] = {"Fp8", "Fp8Bwd", "Fp8_Bf16Dispatch"};
+// The precision, and for "fp8" the forward's dispatch or the backward's overlap.
+enum Fp8Case { kFp8 = 0, kFp8Bwd = 1, kFp8Bf16Dispatch = 2, kFp8OverlapBackward = 3 };
+const char* const kFp8CaseNames[] = {"Fp8", "Fp8Bwd", "Fp8_Bf16Dispatch", "Fp8_OverlapBackward"};
 
 // Parameters: the emulated world size, the case.
 class EpFp8Emulated : public megamoe_test::EpLayerTest,
@@ -47,6 +48,7 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
  protected:
   void SetUp() override {
     fp8_bf16_dispatch_ = std::get<1>(GetParam()) == kFp8Bf16Dispatch;
+    overlap_backward_ = std::get<1>(GetParam()) == kFp8OverlapBackward;
     emulate(std::get<0>(GetParam()));
   }
   // The forward in FP8 ("fp8") or bf16 ("fp8_bwd").
@@ -280,7 +282,8 @@ TEST_P(EpFp8Emulated, EveryTokenOnOneRank) {
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EpFp8Emulated,
                          ::testing::Combine(::testing::Values(2, 8),
-                                            ::testing::Values(kFp8, kFp8Bwd, kFp8Bf16Dispatch)),
+                                            ::testing::Values(kFp8, kFp8Bwd, kFp8Bf16Dispatch,
+                                                              kFp8OverlapBackward)),
                          [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
                            return "EP" + std::to_string(std::get<0>(info.param)) + "_" +
                                   kFp8CaseNames[std::get<1>(info.param)];
