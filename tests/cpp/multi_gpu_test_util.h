@@ -36,7 +36,7 @@ namespace megamoe_test {
 // before the first test runs; a value the environment already sets is kept.
 // Enough queues is not enough: the driver gives a stream its queue when the stream is made
 // (streams alias onto queues in turn), so two streams made far apart can share one. That is
-// why emulate() makes every stream a rank uses, the overlapped forward's side streams too,
+// why emulate() makes every stream a rank uses, the overlapped paths' side streams too,
 // in one run of at most 2 * kMaxRanks = 16 <= 32: left to the library, a side stream is made
 // at a rank's first overlapped call and kept for the process under its buffer's address, and
 // a later test whose buffer lands at that address gets the old stream, on whatever queue it
@@ -175,7 +175,7 @@ class RanksTest : public ::testing::Test {
   bool emulated_ = false;
   int share_ = 0;  // SMs of each emulated rank
   std::vector<cudaStream_t> streams_;
-  // emulate(world, true): each rank's side stream of the overlapped forward, for the
+  // emulate(world, true): each rank's side stream of the overlapped forward or backward, for the
   // fixture to hand to the library (megamoe::ep::set_side_stream); empty otherwise.
   std::vector<cudaStream_t> side_streams_;
   std::vector<std::pair<int, void*>> allocations_;

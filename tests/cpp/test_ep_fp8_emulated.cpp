@@ -49,7 +49,9 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
   void SetUp() override {
     fp8_bf16_dispatch_ = std::get<1>(GetParam()) == kFp8Bf16Dispatch;
     overlap_backward_ = std::get<1>(GetParam()) == kFp8OverlapBackward;
-    emulate(std::get<0>(GetParam()));
+    // The backward overlap's side streams made with the ranks' own (kQueuePerEmulatedRank):
+    // one the library made at a later call could share a hardware queue with another rank's.
+    emulate(std::get<0>(GetParam()), overlap_backward_);
   }
   // The forward in FP8 ("fp8") or bf16 ("fp8_bwd").
   bool forward_fp8() const { return std::get<1>(GetParam()) != kFp8Bwd; }
