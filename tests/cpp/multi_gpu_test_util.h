@@ -5,7 +5,7 @@
 //     only this.
 //   emulate(world, side_streams): `world` ranks on GPU 0 (skips without a GPU): each rank's
 //     buffers are allocations of their own, its calls go to a stream of its own (and with
-//     side_streams, the overlapped forward's second stream is one of its own too, made with
+//     side_streams, an overlapped path's second stream is one of its own too, made with
 //     the others: see kQueuePerEmulatedRank), and everything it
 //     launches is capped to sm_count() / world SMs (megamoe::SmLimit), so that every rank's
 //     kernels can be resident at once and a kernel spinning for a peer never takes the SMs
