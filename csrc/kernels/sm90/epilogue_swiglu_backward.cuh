@@ -46,7 +46,7 @@ __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[
           __floats2bfloat162_rn(a[0], a[1])};
 }
 
-template <int kBlockN_>
+template <int kBlockN_, bool kLoopQuarters = false>
 class SwiGLUBackwardEpilogue {
  public:
   static constexpr int kBlockN = kBlockN_;
@@ -204,98 +204,140 @@ class SwiGLUBackwardEpilogue {
   // register stores would cost about as much as the tile's MMAs). The quarter's h arrives by
   // TMA: quarter 0 was requested before the tile's MMAs (begin_tile), quarter q + 1 as soon as
   // every thread has read quarter q, so the loads hide under the math.
+  //
+  // kLoopQuarters: the quarters run as a loop, not unrolled, over the first quarter's
+  // accumulators, which the others move into after each quarter: a quarter's code once
+  // instead of four times (a larger epilogue, unrolled, waited on instruction fetch).
   __device__ __forceinline__ void store_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
-    constexpr int kQuarters = kBlockN / kStoreBoxCols;
-    constexpr int kChunksPerBox = kStoreBoxCols / 8;
     static_assert(4 * kStoreBoxBytes <= kStagingBytes);
-    const int thread = threadIdx.x % 128;
-    const bool leader = thread == 0;
     const int slab = consumer_ * 64;
-    const int lane = thread % 32;
-    uint8_t* staging = buffers_.staging[consumer_];
-    const uint8_t* h_gate = staging + 3 * kStoreBoxBytes;
-    const uint8_t* h_up = buffers_.h_up[consumer_];
-    float partial[2] = {0.f, 0.f};
-    bool valid[2];
-    float weight[2];
+    QuarterState s;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = Fragment::row(half);
-      valid[half] = slab + r < t.rows;
-      const int64_t row = valid[half] ? t.row0 + slab + r : 0;
-      weight[half] = valid[half] ? __ldg(&o_.slot_weights[__ldg(&o_.row_slot[row])]) : 0.f;
+      s.valid[half] = slab + r < t.rows;
+      const int64_t row = s.valid[half] ? t.row0 + slab + r : 0;
+      s.weight[half] = s.valid[half] ? __ldg(&o_.slot_weights[__ldg(&o_.row_slot[row])]) : 0.f;
     }
+    if constexpr (kLoopQuarters) {
+      float z[kBlockN / 2];
 #pragma unroll
-    for (int quarter = 0; quarter < kQuarters; ++quarter) {
-      mbarrier_wait(h_bar_, h_phase_);
-      h_phase_ ^= 1;
+      for (int i = 0; i < kBlockN / 2; ++i) z[i] = acc[i];
+#pragma unroll 1
+      for (int quarter = 0; quarter < kQuarters; ++quarter) {
+        stage_quarter(t, quarter, *reinterpret_cast<const float(*)[kQuarterValues]>(z), s);
+        store_quarter(t, quarter);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // ldmatrix and stmatrix move four 8-column chunks of the half's 8 rows per
-        // instruction: lane l addresses row l % 8 of chunk i0 + l / 8, and each thread gets
-        // or gives the values of its fragment row (a quarter of the instructions of 4-byte
-        // loads and stores).
-        const int mrow = (thread / 32) * 16 + half * 8 + lane % 8;
-        const auto box_offset = [&](int i0) {
-          return mrow * 128 + (((i0 + lane / 8) ^ (lane % 8)) * 16);
-        };
-        // The row's h values of the quarter from the swizzled boxes (rows past the expert's
-        // end hold the next rows of h: read as zeros).
-        uint32_t g_bits[kChunksPerBox], u_bits[kChunksPerBox];
-#pragma unroll
-        for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-          ldmatrix_x4(h_gate + box_offset(i0), g_bits[i0], g_bits[i0 + 1], g_bits[i0 + 2],
-                      g_bits[i0 + 3]);
-          ldmatrix_x4(h_up + box_offset(i0), u_bits[i0], u_bits[i0 + 1], u_bits[i0 + 2],
-                      u_bits[i0 + 3]);
-        }
-#pragma unroll
-        for (int i = 0; i < kChunksPerBox; ++i) {
-          g_bits[i] = valid[half] ? g_bits[i] : 0u;
-          u_bits[i] = valid[half] ? u_bits[i] : 0u;
-        }
-        if (half == 0) {
-          if (leader) bulk_wait_group_read_all();  // the last quarter's stores have read staging
-          consumer_barrier_sync(consumer_);
-        } else {
-          // Every thread has this quarter's h in registers: request the next quarter.
-          consumer_barrier_sync(consumer_);
-          if (leader && quarter + 1 < kQuarters) load_h_quarter(t, quarter + 1);
-        }
-#pragma unroll
-        for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-          uint32_t dg[4], du[4], a[4];
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            const int q = quarter * kChunksPerBox + i0 + m;
-            // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
-            // h = 0, dg = du = a = 0.
-            const float z[2] = {valid[half] ? acc[Fragment::index(q, half, 0)] : 0.f,
-                                valid[half] ? acc[Fragment::index(q, half, 1)] : 0.f};
-            const SwiGLUGradPair out = swiglu_backward_pair(z, g_bits[i0 + m], u_bits[i0 + m],
-                                                            weight[half], partial[half]);
-            dg[m] = *reinterpret_cast<const uint32_t*>(&out.dg);
-            du[m] = *reinterpret_cast<const uint32_t*>(&out.du);
-            a[m] = *reinterpret_cast<const uint32_t*>(&out.a);
-          }
-          uint8_t* at = staging + box_offset(i0);
-          stmatrix_x4(at, dg[0], dg[1], dg[2], dg[3]);
-          stmatrix_x4(at + kStoreBoxBytes, du[0], du[1], du[2], du[3]);
-          stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
-        }
+        for (int i = 0; i < kBlockN / 2 - kQuarterValues; ++i) z[i] = z[i + kQuarterValues];
       }
-      fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
-      consumer_barrier_sync(consumer_);
-      if (leader) {
-        const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
-        const int row = t.row(o_.padded) + slab;
-        tma_store_2d(&p_.map_dh, staging, col, row);
-        tma_store_2d(&p_.map_dh, staging + kStoreBoxBytes, o_.half_n + col, row);
-        if (o_.a_out != nullptr) tma_store_2d(&p_.map_a_out, staging + 2 * kStoreBoxBytes, col, row);
-        bulk_commit_group();
+    } else {
+#pragma unroll
+      for (int quarter = 0; quarter < kQuarters; ++quarter) {
+        stage_quarter(t, quarter,
+                      *reinterpret_cast<const float(*)[kQuarterValues]>(acc + quarter * kQuarterValues), s);
+        store_quarter(t, quarter);
       }
     }
-    store_dp_partials(t, partial);
+    store_dp_partials(t, s.partial);
+  }
+
+  static constexpr int kQuarters = kBlockN / kStoreBoxCols;
+  static constexpr int kQuarterChunks = kStoreBoxCols / 8;   // 8-column chunks of a quarter
+  static constexpr int kQuarterValues = 4 * kQuarterChunks;  // a thread's accumulators of one
+  // What the quarters of a tile share: the rows' validity and router weights, the dp
+  // partials, and the quarter's bf16 dg and du pairs ([half][chunk]).
+  struct QuarterState {
+    bool valid[2];
+    float weight[2];
+    float partial[2] = {0.f, 0.f};
+    uint32_t dg[2][kQuarterChunks], du[2][kQuarterChunks];
+  };
+  __device__ __forceinline__ uint8_t* staging() const { return buffers_.staging[consumer_]; }
+
+  // Quarter `quarter` of the slab from z, its accumulators: waits for its h, requests the
+  // next quarter's, and stages dg, du and a in boxes 0-2 of the staging buffer.
+  __device__ __forceinline__ void stage_quarter(const Tile& t, int quarter,
+                                                const float (&z)[kQuarterValues], QuarterState& s) {
+    const int thread = threadIdx.x % 128;
+    const bool leader = thread == 0;
+    const int lane = thread % 32;
+    uint8_t* staging = this->staging();
+    const uint8_t* h_gate = staging + 3 * kStoreBoxBytes;
+    const uint8_t* h_up = buffers_.h_up[consumer_];
+    mbarrier_wait(h_bar_, h_phase_);
+    h_phase_ ^= 1;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // ldmatrix and stmatrix move four 8-column chunks of the half's 8 rows per
+      // instruction: lane l addresses row l % 8 of chunk i0 + l / 8, and each thread gets
+      // or gives the values of its fragment row (a quarter of the instructions of 4-byte
+      // loads and stores).
+      const int mrow = (thread / 32) * 16 + half * 8 + lane % 8;
+      const auto box_offset = [&](int i0) {
+        return mrow * 128 + (((i0 + lane / 8) ^ (lane % 8)) * 16);
+      };
+      // The row's h values of the quarter from the swizzled boxes (rows past the expert's
+      // end hold the next rows of h: read as zeros).
+      uint32_t g_bits[kQuarterChunks], u_bits[kQuarterChunks];
+#pragma unroll
+      for (int i0 = 0; i0 < kQuarterChunks; i0 += 4) {
+        ldmatrix_x4(h_gate + box_offset(i0), g_bits[i0], g_bits[i0 + 1], g_bits[i0 + 2],
+                    g_bits[i0 + 3]);
+        ldmatrix_x4(h_up + box_offset(i0), u_bits[i0], u_bits[i0 + 1], u_bits[i0 + 2],
+                    u_bits[i0 + 3]);
+      }
+#pragma unroll
+      for (int i = 0; i < kQuarterChunks; ++i) {
+        g_bits[i] = s.valid[half] ? g_bits[i] : 0u;
+        u_bits[i] = s.valid[half] ? u_bits[i] : 0u;
+      }
+      if (half == 0) {
+        if (leader) bulk_wait_group_read_all();  // the last quarter's stores have read staging
+        consumer_barrier_sync(consumer_);
+      } else {
+        // Every thread has this quarter's h in registers: request the next quarter.
+        consumer_barrier_sync(consumer_);
+        if (leader && quarter + 1 < kQuarters) load_h_quarter(t, quarter + 1);
+      }
+#pragma unroll
+      for (int i0 = 0; i0 < kQuarterChunks; i0 += 4) {
+        uint32_t a[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int q = i0 + m;
+          // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
+          // h = 0, dg = du = a = 0.
+          const float zq[2] = {s.valid[half] ? z[Fragment::index(q, half, 0)] : 0.f,
+                               s.valid[half] ? z[Fragment::index(q, half, 1)] : 0.f};
+          const SwiGLUGradPair out =
+              swiglu_backward_pair(zq, g_bits[q], u_bits[q], s.weight[half], s.partial[half]);
+          s.dg[half][q] = *reinterpret_cast<const uint32_t*>(&out.dg);
+          s.du[half][q] = *reinterpret_cast<const uint32_t*>(&out.du);
+          a[m] = *reinterpret_cast<const uint32_t*>(&out.a);
+        }
+        const uint32_t(&dg)[kQuarterChunks] = s.dg[half];
+        const uint32_t(&du)[kQuarterChunks] = s.du[half];
+        uint8_t* at = staging + box_offset(i0);
+        stmatrix_x4(at, dg[i0], dg[i0 + 1], dg[i0 + 2], dg[i0 + 3]);
+        stmatrix_x4(at + kStoreBoxBytes, du[i0], du[i0 + 1], du[i0 + 2], du[i0 + 3]);
+        stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
+      }
+    }
+  }
+
+  // The staged quarter's TMA stores: dg, du and a.
+  __device__ __forceinline__ void store_quarter(const Tile& t, int quarter) {
+    fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
+    consumer_barrier_sync(consumer_);
+    if (threadIdx.x % 128 == 0) {
+      uint8_t* staging = this->staging();
+      const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
+      const int row = t.row(o_.padded) + consumer_ * 64;
+      tma_store_2d(&p_.map_dh, staging, col, row);
+      tma_store_2d(&p_.map_dh, staging + kStoreBoxBytes, o_.half_n + col, row);
+      if (o_.a_out != nullptr) tma_store_2d(&p_.map_a_out, staging + 2 * kStoreBoxBytes, col, row);
+      bulk_commit_group();
+    }
   }
 
   // The slab's dp partials: the four lanes of a quad hold all columns of the same two rows;

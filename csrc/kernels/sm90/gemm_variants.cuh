@@ -76,7 +76,7 @@ using MGroupedFp8GemmNtSwiGLU =
                  SwiGLUSavedHEpilogue<kBlockN, SwiGLUOutput<kBlockN, kFp8Rows>>>;
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLUBackward =
-    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
+    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN, true>>;
 template <int kBlockN>
 using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows, BColumns::kContiguous, kBlockN>,
                                        WeightGradEpilogue<kBlockN>>;
