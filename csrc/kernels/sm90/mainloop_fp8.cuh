@@ -62,7 +62,7 @@ struct MainloopFp8 {
   // producer more (its row gather also copies the rows' scales). Wide: 192 (128 sums, 64
   // scratch); its A comes by TMA, so the producer's one thread needs few.
   using Registers =
-      std::conditional_t<kBlockN == 128, RegisterSplit<72, 216>, RegisterSplit<40, 232>>;
+      std::conditional_t<kBlockN == 128, RegisterSplit<72, 216>, RegisterSplit<56, 224>>;
   static_assert(kBColumns == BColumns::kContiguous || kBScales == BScales::kBlocks128);
 
   // kBlocks128: the scale of expert e's block (i, j) (B rows 128i.., K 128j..) at
