@@ -105,12 +105,15 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--experts", type=int, default=1, help="the layer's experts")
     parser.add_argument("--topk", type=int, default=1, help="the layer's experts per token")
+    parser.add_argument("--routing", default="random",
+                        help="the layer's routing (megamoe.routing modes: random, balanced, skewed)")
     parser.add_argument("--backward", action="store_true",
                         help="the layers' forward + backward (saved mode), all six GEMMs")
     args = parser.parse_args()
     T, H, I = args.tokens, args.hidden, args.intermediate
     shape = MoEShape("dense", H, I, args.experts, args.topk)
-    x, ids, p, w1, w2, dy = layer_inputs(shape, T, requires_grad=args.backward)
+    x, ids, p, w1, w2, dy = layer_inputs(shape, T, requires_grad=args.backward,
+                                         routing=args.routing)
     R = T * args.topk  # the layer's rows: its GEMMs' M (or K for the weight gradients)
     flops = {"L1": 2 * R * 2 * I * H, "L2": 2 * R * H * I}
     flops.update({"dgrad L2": flops["L2"], "dgrad L1": flops["L1"], "dW_gate_up": flops["L1"],
@@ -160,7 +163,7 @@ def main():
             usable[name] = (fn, f)
         except Exception as e:  # noqa: BLE001 -- report what this torch refuses, keep going
             print(f"skipped {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    print(f"T={T} H={H} I={I} E={args.experts} k={args.topk}: L1 {R}x{2 * I}x{H}, L2 {R}x{H}x{I} "
+    print(f"T={T} H={H} I={I} E={args.experts} k={args.topk} ({args.routing} routing): L1 {R}x{2 * I}x{H}, L2 {R}x{H}x{I} "
           f"(M x N x K), {args.rounds} rounds, {args.seconds} s warm before each timing")
     results = {}
     for r in range(args.rounds):
