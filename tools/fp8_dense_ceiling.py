@@ -106,14 +106,20 @@ def main():
     parser.add_argument("--experts", type=int, default=1, help="the layer's experts")
     parser.add_argument("--topk", type=int, default=1, help="the layer's experts per token")
     parser.add_argument("--routing", default="random",
-                        help="the layer's routing (megamoe.routing modes: random, balanced, skewed)")
+                        help="the layer's routing: a megamoe.routing mode (random, balanced, "
+                             "skewed), or first (k = 1: every token on expert 0, the others empty)")
     parser.add_argument("--backward", action="store_true",
                         help="the layers' forward + backward (saved mode), all six GEMMs")
     args = parser.parse_args()
     T, H, I = args.tokens, args.hidden, args.intermediate
     shape = MoEShape("dense", H, I, args.experts, args.topk)
+    first = args.routing == "first"
+    if first and args.topk != 1:
+        parser.error("--routing first needs --topk 1")
     x, ids, p, w1, w2, dy = layer_inputs(shape, T, requires_grad=args.backward,
-                                         routing=args.routing)
+                                         routing="random" if first else args.routing)
+    if first:
+        ids.zero_()
     R = T * args.topk  # the layer's rows: its GEMMs' M (or K for the weight gradients)
     flops = {"L1": 2 * R * 2 * I * H, "L2": 2 * R * H * I}
     flops.update({"dgrad L2": flops["L2"], "dgrad L1": flops["L1"], "dW_gate_up": flops["L1"],
