@@ -13,6 +13,9 @@ With --backward the layers run forward + backward (saved mode) and all six of th
 are timed (the dgrads and the weight gradients too), and --experts / --topk give the
 layer more experts (--experts 128 --topk 8 --hidden 2048 --intermediate 768 is the 30b
 preset, whose weight gradients have K = 1024 per expert, against K = T at one expert).
+--routing balanced gives every expert the same rows (no partly empty last M-tile), and
+--routing first puts every token on expert 0 (dense GEMMs, but the tile scheduler still
+searches all the experts at every tile).
 Each op runs for --seconds back to back before its timed calls, and the ops take turns for
 --rounds rounds, so that each is timed in the power state the others see.
 
