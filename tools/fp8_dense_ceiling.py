@@ -172,8 +172,9 @@ def main():
             usable[name] = (fn, f)
         except Exception as e:  # noqa: BLE001 -- report what this torch refuses, keep going
             print(f"skipped {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    print(f"T={T} H={H} I={I} E={args.experts} k={args.topk} ({args.routing} routing): L1 {R}x{2 * I}x{H}, L2 {R}x{H}x{I} "
-          f"(M x N x K), {args.rounds} rounds, {args.seconds} s warm before each timing")
+    print(f"T={T} H={H} I={I} E={args.experts} k={args.topk} ({args.routing} routing): "
+          f"L1 {R}x{2 * I}x{H}, L2 {R}x{H}x{I} (M x N x K), {args.rounds} rounds, "
+          f"{args.seconds} s warm before each timing")
     results = {}
     for r in range(args.rounds):
         for name, (fn, f) in usable.items():

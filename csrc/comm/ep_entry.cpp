@@ -19,6 +19,12 @@ using namespace megamoe;
 
 namespace {
 
+// An environment switch of the EP paths: on when set to anything but "" or "0".
+bool env_switch(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
 // The internal group; the buffers may be absent for size queries.
 ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
   if (g == nullptr) throw_invalid("group: expected a pointer, got NULL");
@@ -51,28 +57,21 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
   // GPUs. Read whenever a group is built, so that the buffer-size query and the calls agree
   // within a process; every rank must see the same value (megamoe.Buffer checks that the
   // ranks agree on both switches).
-  const char* epilogue_combine = std::getenv("MEGAMOE_EP_EPILOGUE_COMBINE");
-  out.epilogue_combine = epilogue_combine != nullptr && epilogue_combine[0] != '\0' &&
-                         std::strcmp(epilogue_combine, "0") != 0;
+  out.epilogue_combine = env_switch("MEGAMOE_EP_EPILOGUE_COMBINE");
   // The forward's dispatch beside L1 on the own rows (docs/expert-parallel.md, "Forward
   // overlap" (b)): off unless MEGAMOE_EP_OVERLAP_DISPATCH is set (not "" or "0"). The
   // buffer layout does not depend on it, the workspace size does (read on every group).
   // Every rank must see the same value.
-  const char* overlap = std::getenv("MEGAMOE_EP_OVERLAP_DISPATCH");
-  out.overlap_dispatch = overlap != nullptr && overlap[0] != '\0' && std::strcmp(overlap, "0") != 0;
+  out.overlap_dispatch = env_switch("MEGAMOE_EP_OVERLAP_DISPATCH");
+  // The backward's dx send beside the weight gradients (docs/expert-parallel.md, "Backward
+  // overlap"): off unless MEGAMOE_EP_OVERLAP_BACKWARD is set (not "" or "0"). Neither the
+  // buffer layout nor the workspace depends on it, and ranks may differ.
+  out.overlap_backward = env_switch("MEGAMOE_EP_OVERLAP_BACKWARD");
   // The FP8 forward's bf16 dispatch (docs/expert-parallel.md, "Blockwise FP8 under EP"): off
   // unless MEGAMOE_EP_FP8_BF16_DISPATCH is set (not "" or "0"), for an A/B of the quantized
   // dispatch on the GPUs. The workspace size depends on it (read on every group). Every rank
   // must see the same value.
-  // The backward's dx send beside the weight gradients (docs/expert-parallel.md, "Backward
-  // overlap"): off unless MEGAMOE_EP_OVERLAP_BACKWARD is set (not "" or "0"). Neither the
-  // buffer layout nor the workspace depends on it, and ranks may differ.
-  const char* overlap_backward = std::getenv("MEGAMOE_EP_OVERLAP_BACKWARD");
-  out.overlap_backward = overlap_backward != nullptr && overlap_backward[0] != '\0' &&
-                         std::strcmp(overlap_backward, "0") != 0;
-  const char* bf16_dispatch = std::getenv("MEGAMOE_EP_FP8_BF16_DISPATCH");
-  out.fp8_bf16_dispatch = bf16_dispatch != nullptr && bf16_dispatch[0] != '\0' &&
-                          std::strcmp(bf16_dispatch, "0") != 0;
+  out.fp8_bf16_dispatch = env_switch("MEGAMOE_EP_FP8_BF16_DISPATCH");
   return out;
 }
 
