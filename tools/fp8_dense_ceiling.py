@@ -17,7 +17,10 @@ preset, whose weight gradients have K = 1024 per expert, against K = T at one ex
 --routing first puts every token on expert 0 (dense GEMMs, but the tile scheduler still
 searches all the experts at every tile).
 Each op runs for --seconds back to back before its timed calls, and the ops take turns for
---rounds rounds, so that each is timed in the power state the others see.
+--rounds rounds, so that each is timed in the power state the others see. --layers-only
+skips the torch ops (for A/B runs of two libraries, one process each); --ncu runs one
+layer call of --precision between cudaProfilerStart and Stop, for
+ncu --profile-from-start off.
 
     python tools/fp8_dense_ceiling.py --tokens 16384 --hidden 4096 --intermediate 4096
     python tools/fp8_dense_ceiling.py --tokens 131072 --hidden 2048 --intermediate 768 --backward
@@ -113,6 +116,13 @@ def main():
                              "skewed), or first (k = 1: every token on expert 0, the others empty)")
     parser.add_argument("--backward", action="store_true",
                         help="the layers' forward + backward (saved mode), all six GEMMs")
+    parser.add_argument("--layers-only", action="store_true",
+                        help="time the fused layers only, not the torch GEMMs")
+    parser.add_argument("--ncu", action="store_true",
+                        help="one layer call of --precision inside cudaProfilerStart/Stop, "
+                             "nothing timed (for ncu --profile-from-start off)")
+    parser.add_argument("--precision", default="fp8", choices=("fp8", "bf16"),
+                        help="the layer's precision under --ncu")
     args = parser.parse_args()
     T, H, I = args.tokens, args.hidden, args.intermediate
     shape = MoEShape("dense", H, I, args.experts, args.topk)
@@ -135,7 +145,7 @@ def main():
         return a, b
     gemms = {"L1": (R, 2 * I, H), "L2": (R, H, I)}
     ops = {}
-    for name, (M, N, K) in gemms.items():
+    for name, (M, N, K) in ({} if args.layers_only or args.ncu else gemms).items():
         a, b = operands(M, N, K)
         one = torch.ones((), device="cuda")
         ops[f"{name} _scaled_mm per-tensor"] = (lambda a=a, b=b, one=one: torch._scaled_mm(
@@ -164,6 +174,15 @@ def main():
                 y.backward(dy)
         return call
 
+    if args.ncu:
+        fn = layer(args.precision)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
     usable = {}
     for name, (fn, f) in ops.items():
         try:
