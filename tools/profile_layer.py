@@ -11,6 +11,7 @@ or with --backward the forward and backward of a training step.
 
 import argparse
 import os
+import re
 import time
 
 import torch
@@ -95,10 +96,26 @@ def main():
             continue
         per_call = e.device_time_total / args.iters
         total += per_call
-        print(f"  {per_call:9.1f}  x{e.count // args.iters:<3} {e.key[:110]}")
+        print(f"  {per_call:9.1f}  x{e.count // args.iters:<3} {short_name(e.key)[:110]}")
     print(f"  {total:9.1f}  total")
     if args.timeline:
         print_timeline(prof, args.iters, host_ms)
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without namespaces, and a grouped GEMM's as its grouping, A loader and
+    epilogue (its full name is too long to tell the GEMMs apart in a line)."""
+    name = re.sub(r"megamoe::|sm90::|\(anonymous namespace\)::|^void ", "", name)
+    if name.startswith("grouped_gemm_kernel<"):
+        grouping = re.search(r"\(Grouping\)(\d)", name)
+        mainloop = re.search(r"(Mainloop\w+)<", name)
+        loader = re.search(r"(A(?:Tma|Gathered\w*))<", name)
+        epilogue = re.search(r"(\w+Epilogue)<(\d+)", name)
+        parts = ["grouped_gemm", "M" if grouping and grouping.group(1) == "0" else "K",
+                 mainloop.group(1) if mainloop else "?", loader.group(1) if loader else "?",
+                 f"{epilogue.group(1)}<{epilogue.group(2)}>" if epilogue else "?"]
+        return " ".join(parts)
+    return name
 
 
 def print_timeline(prof, iters: int, host_ms: float):
@@ -119,7 +136,7 @@ def print_timeline(prof, iters: int, host_ms: float):
     for e in last:
         idle = e.time_range.start - end
         print(f"  {e.time_range.start - t0:8.1f} {e.time_range.elapsed_us():7.1f} {idle:8.1f}  "
-              f"{e.name[:90]}")
+              f"{short_name(e.name)[:90]}")
         end = max(end, e.time_range.end)
 
 
