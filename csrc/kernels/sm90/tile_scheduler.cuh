@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/expert_search.h"
 #include "kernels/sm90/gemm_common.cuh"
 
 namespace megamoe::sm90 {
@@ -92,29 +93,12 @@ class TileScheduler {
     return t;
   }
 
-  // kM: the last expert whose first M-tile is <= m_tile (experts with no tiles are skipped).
-  // Both consumer warpgroups search at the top of every tile, with the tensor cores idle, so
-  // the search takes kProbes independent loads a round instead of one dependent load a
-  // step: 128 experts in two rounds (and the row offsets' loads after them) instead of seven
-  // steps. tile_offsets is nondecreasing and tile_offsets[0] = 0 <= m_tile, so the probes
-  // that hold form a prefix and the answer stays in [lo, hi].
+  // kM: the last expert whose first M-tile is <= m_tile (experts with no tiles are skipped),
+  // in rounds of independent loads (expert_search.h).
   __device__ __forceinline__ int expert_of(int m_tile) const {
-    constexpr int kProbes = 16;
-    int lo = 0, hi = p_.num_experts - 1;
-    while (lo < hi) {
-      const int step = (hi - lo + kProbes) / (kProbes + 1);  // >= 1
-      int below = 0;  // probes j with tile_offsets[lo + (j + 1) * step] <= m_tile
-#pragma unroll
-      for (int j = 0; j < kProbes; ++j) {
-        const int e = min(lo + (j + 1) * step, hi);
-        below += __ldg(&p_.tile_offsets[e]) <= m_tile;
-      }
-      // Probes past hi repeat hi's answer: a prefix still (they hold only if hi holds).
-      const int new_lo = below == 0 ? lo : min(lo + below * step, hi);
-      hi = below == kProbes ? hi : min(lo + (below + 1) * step, hi + 1) - 1;
-      lo = new_lo;
-    }
-    return lo;
+    const int32_t* offsets = p_.tile_offsets;
+    return last_expert_at_most([offsets](int e) { return __ldg(&offsets[e]); }, p_.num_experts,
+                               m_tile);
   }
 
   const Params p_;  // a copy: loads through a reference to the kernel's params are not hoisted
