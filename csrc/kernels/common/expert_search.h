@@ -22,7 +22,7 @@ __host__ __device__ __forceinline__ int last_expert_at_most(const Load& load, in
   while (lo < hi) {
     const int step = (hi - lo + kProbes) / (kProbes + 1);  // >= 1, and lo + step <= hi
     int below = 0;  // probes j (at lo + (j + 1) * step, at most hi) with an offset <= m_tile
-#ifdef __CUDACC__
+#ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
     for (int j = 0; j < kProbes; ++j) {
