@@ -34,6 +34,7 @@ struct GroupedGemm {
   using BLoad = BLoad_;
   using Epilogue = Epilogue_;
   using Scheduler = TileScheduler<kGrouping, Mainloop::kBlockK>;
+  static constexpr Grouping grouping = kGrouping;
   using Producer = sm90::Producer<Mainloop, ALoad, BLoad>;
 
   static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
@@ -127,12 +128,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Mainloop mainloop(p.mainloop);
   float acc[Mainloop::kAccumulators];
   PipelineState<kStages> state;
-  scheduler.for_each_tile([&](const Tile& t) {
+  const auto run_tile = [&](const Tile& t) {
     epilogue.begin_tile(t);
     mainloop.template mma<Gemm::ALoad::kGenericProxy>(smem.tiles, smem.pipeline, state, t, acc,
                                                       consumer);
     epilogue.store(t, acc);
-  });
+  };
+  if constexpr (Gemm::grouping == Grouping::kM) {
+    // Every M-grouped tile has k-blocks, so its first stage carries it (Pipeline::tile). A
+    // copy: the producer rewrites the slot once the stage is released, before the epilogue.
+    scheduler.for_each_tile_unlocated([&] {
+      mbarrier_wait(&smem.pipeline.full[state.stage], state.phase);
+      const Tile t = smem.pipeline.tile[state.stage];
+      run_tile(t);
+    });
+  } else {
+    scheduler.for_each_tile(run_tile);  // a K-grouped tile may have none (C is zero)
+  }
   epilogue.finish();
 }
 

@@ -62,6 +62,12 @@ class TileScheduler {
   __device__ __forceinline__ void for_each_tile(F&& f) const {
     for (int tile = blockIdx.x; tile < num_tiles_; tile += gridDim.x) f(locate(tile));
   }
+  // The same loop without locating the tiles: f() once per tile of this block, for walkers
+  // that get each tile from the producer (Pipeline::tile).
+  template <class F>
+  __device__ __forceinline__ void for_each_tile_unlocated(F&& f) const {
+    for (int tile = blockIdx.x; tile < num_tiles_; tile += gridDim.x) f();
+  }
 
  private:
   __device__ __forceinline__ Tile locate(int tile) const {
