@@ -72,13 +72,16 @@ struct Tile {
 // barrier completes when its operands have landed, its `empty` barrier when both consumer
 // warpgroups are done reading it.
 // M-grouped: the producer also writes into `tile[s]` the tile whose first k-block stage s
-// holds, before that stage's full barrier, so that the consumers read each tile there
-// instead of each locating it again with the tensor cores idle (TileScheduler::locate's
-// search over the experts).
+// holds, then arrives on `tile_ready[s]` (at every stage, so that its phases follow full's),
+// so that the consumers read each tile there instead of each locating it again with the
+// tensor cores idle (TileScheduler::locate's search over the experts). tile_ready completes
+// as soon as the producer has claimed the stage, well before its operands land: the
+// consumers set up the tile (the FP8 mainloop's B scale loads) while they are in flight.
 template <int kStages>
 struct Pipeline {
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  uint64_t tile_ready[kStages];
   Tile tile[kStages];
 };
 

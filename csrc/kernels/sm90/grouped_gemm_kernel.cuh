@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.pipeline.full[s], Producer::kFullArrivals);
       mbarrier_init(&smem.pipeline.empty[s], 2 * Mainloop::kConsumerArrivals);
+      mbarrier_init(&smem.pipeline.tile_ready[s], 1);
     }
     Epilogue::init(smem.epilogue_barriers);
     fence_barrier_init();
@@ -138,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Every M-grouped tile has k-blocks, so its first stage carries it (Pipeline::tile). A
     // copy: the producer rewrites the slot once the stage is released, before the epilogue.
     scheduler.for_each_tile_unlocated([&] {
-      mbarrier_wait(&smem.pipeline.full[state.stage], state.phase);
+      mbarrier_wait(&smem.pipeline.tile_ready[state.stage], state.phase);
       const Tile t = smem.pipeline.tile[state.stage];
       run_tile(t);
     });

@@ -44,6 +44,7 @@ struct Producer {
         mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
         if (tma_thread) {
           if (kb == 0) pipe.tile[s] = t;  // for the consumers (Pipeline::tile)
+          mbarrier_arrive(&pipe.tile_ready[s]);
           mbarrier_arrive_expect_tx(&pipe.full[s], kTmaBytes);
           a.load_tma(tiles, s, &pipe.full[s], t, kb);
           b.load(tiles, s, &pipe.full[s], t, kb);
