@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "kernels/common/sm_count.h"
@@ -42,6 +43,12 @@ struct GroupedGemm {
   // the expert's rows), or for FP8, whose wgmma reads K-major operands only, A^T [m, rows].
   static_assert(kGrouping == Grouping::kK || Mainloop::kAMajor == Major::kK);
   static_assert(kGrouping == Grouping::kM || ALoad::kThreads == 1);
+  // The mainloop's register split, except that a loader running the whole producer
+  // warpgroup (a gathered A: its rows' tokens and copies in every thread) needs at least 56,
+  // which the wide FP8 consumers then give up (232 -> 224).
+  using Registers =
+      std::conditional_t<ALoad::kThreads == 128 && Mainloop::Registers::kProducerRegisters < 56,
+                         RegisterSplit<56, 224>, typename Mainloop::Registers>;
 
   // The shared memory of a block with kS stages: the epilogue's staging first (swizzle
   // aligned at the start), then the stage ring, its barriers and the epilogue's. Only the
@@ -114,14 +121,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const typename Gemm::Scheduler scheduler(p.scheduler);
   if (warpgroup == 0) {
     // The producer needs few registers: give them to the consumers' accumulators.
-    setmaxnreg_dec<Mainloop::Registers::kProducerRegisters>();
+    setmaxnreg_dec<Gemm::Registers::kProducerRegisters>();
     if (Producer::kThreads == 128 || threadIdx.x == 0) {
       Producer::run(p.a, p.b, p.mainloop, scheduler, smem.tiles, smem.pipeline);
     }
     return;
   }
 
-  setmaxnreg_inc<Mainloop::Registers::kConsumerRegisters>();
+  setmaxnreg_inc<Gemm::Registers::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   Epilogue epilogue(p.epilogue, smem.epilogue, smem.epilogue_barriers, consumer);
   const Mainloop mainloop(p.mainloop);

@@ -54,22 +54,34 @@ void launch(const MGroupedFp8GemmArgs& a, const typename Gemm::BLoad::Params& b,
   launch_grouped_gemm<Gemm>(p, Gemm::Scheduler::max_tiles(p.scheduler, a.groups.rows), stream);
 }
 
+// Which entries take 256-wide tiles with a gathered A: the SwiGLU L1 with FP8 rows out and
+// the SwiGLU backward, the two that gather x and dy in the chain. Their wide gathered
+// kernels fit the 56 producer registers the gather needs (GroupedGemm::Registers) without
+// spilling; the bf16-output ones do not, and stay 128 wide when gathered.
+enum class GatheredWide : bool { kNo = false, kYes = true };
+
 // Calls run(std::integral_constant<int, kBlockN>{}, std::bool_constant<gathered>{}): 256-wide
-// tiles if `wide` and A comes by TMA, else 128-wide (gemm_variants.cuh).
-template <class Run>
+// tiles if `wide` (wide_n), else 128-wide (gemm_variants.cuh).
+template <GatheredWide kGatheredWide = GatheredWide::kNo, class Run>
 void dispatch(const MGroupedFp8GemmArgs& a, bool wide, Run&& run) {
   using N128 = std::integral_constant<int, 128>;
   using N256 = std::integral_constant<int, 256>;
   if (a.a.gather != nullptr) {
-    run(N128{}, std::true_type{});
+    if constexpr (kGatheredWide == GatheredWide::kYes) {
+      wide ? run(N256{}, std::true_type{}) : run(N128{}, std::true_type{});
+    } else {
+      run(N128{}, std::true_type{});
+    }
   } else {
     wide ? run(N256{}, std::false_type{}) : run(N128{}, std::false_type{});
   }
 }
 
-// N in 256-wide tiles: a multiple of 256 output columns (not for a gathered A).
-bool wide_n(bool gathered, int64_t n) {
-  return MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && !gathered && n % 256 == 0;
+// N in 256-wide tiles: a multiple of 256 output columns, and A by TMA unless the entry
+// takes wide gathered tiles.
+bool wide_n(bool gathered, int64_t n, GatheredWide gathered_wide = GatheredWide::kNo) {
+  return MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && (!gathered || gathered_wide == GatheredWide::kYes) &&
+         n % 256 == 0;
 }
 
 [[maybe_unused]] const bool kPreloadable =
@@ -107,9 +119,11 @@ void check_swiglu(const MGroupedFp8GemmArgs& a, const std::string& name) {
 template <bool kFp8Rows, class OutParams>
 void launch_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h, OutParams&& out_params,
                    cudaStream_t stream) {
-  dispatch(a, wide_n(a.a.gather != nullptr, 2 * a.n), [&](auto block_n, auto gathered) {
+  constexpr GatheredWide kGatheredWide = kFp8Rows ? GatheredWide::kYes : GatheredWide::kNo;
+  const bool wide = wide_n(a.a.gather != nullptr, 2 * a.n, kGatheredWide);
+  dispatch<kGatheredWide>(a, wide, [&](auto block_n, auto gathered) {
     constexpr int kBlockN = decltype(block_n)::value;
-    if constexpr (!kFp8Rows || (kBlockN == 256 && !decltype(gathered)::value)) {
+    if constexpr (!kFp8Rows || kBlockN == 256) {
       using Gemm = MGroupedFp8GemmNtSwiGLU<kBlockN, decltype(gathered)::value, kFp8Rows>;
       using Epilogue = typename Gemm::Epilogue;
       const auto b =
@@ -137,11 +151,7 @@ void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h
                                   const Fp8RowsOut& out, cudaStream_t stream) {
   const std::string name = "m_grouped_fp8_gemm_nt_swiglu (FP8 rows out)";
   check_swiglu(a, name);
-  if (a.a.gather != nullptr) {
-    throw_invalid(name + ": out needs 256-wide tiles, which a gathered A (args.a.gather) "
-                         "does not get: write a bf16 C and quantize it");
-  }
-  if (!fp8_swiglu_quantizes(a.n, false)) {
+  if (!fp8_swiglu_quantizes(a.n, a.a.gather != nullptr)) {
     throw_invalid(name + ": out needs 256-wide tiles, and this build's are at most 128 wide "
                          "(MEGAMOE_GEMM_MAX_BLOCK_N)");
   }
@@ -160,7 +170,9 @@ void m_grouped_fp8_gemm_nt_swiglu(const MGroupedFp8GemmArgs& a, __nv_bfloat16* h
   }, stream);
 }
 
-bool fp8_swiglu_quantizes(int64_t n, bool gathered) { return wide_n(gathered, 2 * n); }
+bool fp8_swiglu_quantizes(int64_t n, bool gathered) {
+  return wide_n(gathered, 2 * n, GatheredWide::kYes);
+}
 
 void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const SwiGLUGradArgs& g,
                                            cudaStream_t stream) {
@@ -172,7 +184,8 @@ void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const S
   if (a.c.ld != 2 * a.n) throw_invalid(name + ": dh (C) must have ld = 2I (2n)");
   check_fp8(a, name);
   if (a.groups.rows == 0) return;
-  dispatch(a, wide_n(a.a.gather != nullptr, a.n), [&](auto block_n, auto gathered) {
+  const bool wide = wide_n(a.a.gather != nullptr, a.n, GatheredWide::kYes);
+  dispatch<GatheredWide::kYes>(a, wide, [&](auto block_n, auto gathered) {
     using Gemm = MGroupedFp8GemmNtSwiGLUBackward<decltype(block_n)::value, decltype(gathered)::value>;
     const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
     const auto epilogue = Gemm::Epilogue::params(
@@ -183,7 +196,7 @@ void m_grouped_fp8_gemm_nt_swiglu_backward(const MGroupedFp8GemmArgs& a, const S
 }
 
 int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered) {
-  return n / (wide_n(gathered, n) ? 256 : 128);
+  return n / (wide_n(gathered, n, GatheredWide::kYes) ? 256 : 128);
 }
 
 }  // namespace megamoe::sm90
