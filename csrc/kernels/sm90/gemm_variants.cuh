@@ -26,12 +26,15 @@
 
 namespace megamoe::sm90 {
 
-// M-grouped: A by TMA or gathered, B by TMA in the mainloop's major order, with the B tile
-// the epilogue needs. K-grouped: both by TMA.
+// M-grouped: A by TMA or gathered (FP8: by TMA row boxes, bf16: by cp.async), B by TMA in
+// the mainloop's major order, with the B tile the epilogue needs. K-grouped: both by TMA.
+template <class Mainloop>
+using AGatheredFor =
+    std::conditional_t<Mainloop::kScaled, AGatheredTma<Mainloop>, AGathered<Mainloop>>;
 template <class Mainloop, bool kGathered, class Epilogue>
 using MGroupedGemm =
     GroupedGemm<Grouping::kM, Mainloop,
-                std::conditional_t<kGathered, AGathered<Mainloop>, ATma<Mainloop>>,
+                std::conditional_t<kGathered, AGatheredFor<Mainloop>, ATma<Mainloop>>,
                 BTma<Mainloop, Epilogue::kBColumns>, Epilogue>;
 template <class Mainloop, class Epilogue>
 using KGroupedGemm =

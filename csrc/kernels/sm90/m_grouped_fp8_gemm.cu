@@ -37,8 +37,8 @@ void launch(const MGroupedFp8GemmArgs& a, const typename Gemm::BLoad::Params& b,
   typename Gemm::Params p{};
   p.scheduler = Gemm::Scheduler::m_grouped(a.groups.expert_offsets, a.groups.tile_offsets,
                                            a.groups.num_experts, a.k, n_tiles);
-  if constexpr (std::is_same_v<typename Gemm::ALoad, AGathered<typename Gemm::Mainloop>>) {
-    p.a = Gemm::ALoad::params(a.a.data, a.a.gather, a.k, a.a.scales, a.a.scale_ld);
+  if constexpr (std::is_same_v<typename Gemm::ALoad, AGatheredTma<typename Gemm::Mainloop>>) {
+    p.a = Gemm::ALoad::params(a.a.data, a.a.rows, a.a.gather, a.k, a.a.scales, a.a.scale_ld);
   } else {
     p.a = Gemm::ALoad::params(a.a.data, a.a.rows, a.k, a.a.layout == RowLayout::kPadded,
                               a.a.scales, a.a.scale_ld);

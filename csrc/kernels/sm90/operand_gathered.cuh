@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/sm90/gemm_common.cuh"
+#include "kernels/sm90/tensor_map.h"
 
 namespace megamoe::sm90 {
 
@@ -84,6 +85,76 @@ struct AGathered {
   static constexpr int kChunkElements = 16 / sizeof(Element);
   const Params p_;
   int32_t token_[kRowsPerThread];
+};
+
+// A loader that gathers A's rows by TMA, one box of 1 row x 128 bytes per row: one warp of
+// the producer, 4 rows per lane. TMA swizzles by the shared-memory address, so a row box at
+// row r of a stage lands in the 128-byte swizzle the wgmma descriptors expect, as a whole
+// tile's box would. Rows past the expert's end load its last row again (the stage's bytes
+// stay constant; the epilogue drops those rows). A scaled mainloop (FP8) gets each row's
+// block scale of the k-block by cp.async from the same lane (4 bytes: below TMA's 16).
+template <class Mainloop>
+struct AGatheredTma {
+  static_assert(Mainloop::kAMajor == Major::kK);
+  static_assert(Mainloop::kBlockK * sizeof(typename Mainloop::Element) == 128);
+  using Element = typename Mainloop::Element;
+  static constexpr int kThreads = 32;
+  static constexpr int kArrivals = Mainloop::kScaled ? 32 : 0;  // each lane's scale copies
+  static constexpr int kTmaBytes = Mainloop::kTileBytesA;
+  // The rows come through the async proxy; the scales (cp.async) are read by ld.shared.
+  static constexpr bool kGenericProxy = false;
+
+  struct Params {
+    CUtensorMap map;           // the source [source rows, k], boxes of one row
+    const int32_t* row_index;  // [sorted rows]
+    // Scaled: the scale of source row r's k-block j at scales[j * scale_ld + r].
+    const float* scales;
+    int32_t scale_ld;
+  };
+  static Params params(const void* source, int64_t source_rows, const int32_t* row_index,
+                       int64_t k, const float* scales = nullptr, int64_t scale_ld = 0) {
+    return {make_tensor_map<Element>(source, source_rows, k, 1), row_index, scales,
+            static_cast<int32_t>(scale_ld)};
+  }
+
+  __device__ __forceinline__ explicit AGatheredTma(const Params& p)
+      : map_(p.map), row_index_(p.row_index), scales_(p.scales), scale_ld_(p.scale_ld) {}
+  __device__ __forceinline__ void prefetch() const { prefetch_tensor_map(&map_); }
+
+  __device__ __forceinline__ void begin_tile(const Tile& t) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      token_[i] = __ldg(&row_index_[t.row0 + min(lane + 32 * i, t.rows - 1)]);
+    }
+  }
+
+  template <class Tiles>
+  __device__ __forceinline__ void load_tma(Tiles&, int, uint64_t*, const Tile&, int) const {}
+
+  template <class Tiles>
+  __device__ __forceinline__ void load_async(Tiles& tiles, int s, uint64_t* bar, const Tile&,
+                                             int kb) const {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int r = lane + 32 * i;
+      tma_load_2d(tiles.a[s] + r * Mainloop::kBlockK, &map_, bar, kb * Mainloop::kBlockK,
+                  token_[i]);
+      if constexpr (Mainloop::kScaled) {
+        cp_async_4(&tiles.a_scales[s][r], scales_ + int64_t(kb) * scale_ld_ + token_[i]);
+      }
+    }
+    if constexpr (Mainloop::kScaled) cp_async_mbarrier_arrive(bar);
+  }
+
+ private:
+  static constexpr int kRowsPerLane = kBlockM / 32;
+  const CUtensorMap& map_;
+  const int32_t* row_index_;
+  const float* scales_;
+  int32_t scale_ld_;
+  int32_t token_[kRowsPerLane];
 };
 
 }  // namespace megamoe::sm90

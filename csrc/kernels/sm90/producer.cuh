@@ -1,8 +1,8 @@
 // The producer warpgroup of the grouped GEMM: fills the ring of stages with each tile's
 // k-blocks of A and B, in the tile scheduler's order, through an A loader and a B loader
 // (operand_tma.cuh, operand_gathered.cuh). Thread 0 issues the TMA loads and the stage's
-// expect_tx; an A loader that needs the whole warpgroup (kThreads = 128) adds its threads'
-// copies and arrivals.
+// expect_tx; an A loader that needs a warp or the whole warpgroup (kThreads = 32 or 128) adds
+// its threads' copies and arrivals.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@ namespace megamoe::sm90 {
 
 template <class Mainloop, class ALoad, class BLoad>
 struct Producer {
-  static_assert(ALoad::kThreads == 1 || ALoad::kThreads == 128);
+  static_assert(ALoad::kThreads == 1 || ALoad::kThreads == 32 || ALoad::kThreads == 128);
   static constexpr int kThreads = ALoad::kThreads;
   // Arrivals that complete a stage's full barrier: the TMA thread's expect_tx, plus the A
   // loader's own.
