@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     // The producer needs few registers: give them to the consumers' accumulators.
     setmaxnreg_dec<Gemm::Registers::kProducerRegisters>();
-    if (threadIdx.x < Producer::kThreads) {
+    if (Producer::kThreads == 128 || threadIdx.x < Producer::kThreads) {
       Producer::run(p.a, p.b, p.mainloop, scheduler, smem.tiles, smem.pipeline);
     }
     return;
