@@ -115,6 +115,17 @@ struct MainloopFp8 {
     const int row = Fragment::row0();
     const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
     const bool warp_leader = threadIdx.x % 32 == 0;
+    // A tile whose rows all lie in the other warpgroup's half (an expert's last M-tile of at
+    // most 64 rows): this warpgroup releases the stages unread, and the tensor cores do
+    // half the tile (the sums stay 0; the epilogue drops these rows).
+    if (consumer * 64 >= t.rows) {
+      for (int kb = 0; kb < t.k_blocks; ++kb) {
+        mbarrier_wait(&pipe.full[state.stage], state.phase);
+        release(pipe, state, warp_leader);
+        state.advance();
+      }
+      return;
+    }
     float partial[kPartials];
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       float sb[2] = {1.f, 1.f};
