@@ -66,22 +66,9 @@ struct MainloopBf16 {
                                       float (&acc)[kAccumulators], int consumer) const {
     const bool releases = threadIdx.x % 128 == 0;
     int previous = -1;
-    // An expert without rows (its weight gradient is zero), or a tile whose rows all lie
-    // in the other warpgroup's half (an expert's last M-tile of at most 64 rows): this
-    // warpgroup's MMAs would only fill rows the epilogue drops, so it releases the stages
-    // unread and the tensor cores do half the tile.
-    const bool idle = consumer * 64 >= t.rows;
-    if (t.k_blocks == 0 || idle) {
+    if (t.k_blocks == 0) {  // an expert without rows: its weight gradient is zero
 #pragma unroll
       for (int i = 0; i < kAccumulators; ++i) acc[i] = 0.f;
-    }
-    if (idle) {
-      for (int kb = 0; kb < t.k_blocks; ++kb) {
-        mbarrier_wait(&pipe.full[state.stage], state.phase);
-        if (releases) mbarrier_arrive(&pipe.empty[state.stage]);
-        state.advance();
-      }
-      return;
     }
     for (int kb = 0; kb < t.k_blocks; ++kb) {
       mbarrier_wait(&pipe.full[state.stage], state.phase);
