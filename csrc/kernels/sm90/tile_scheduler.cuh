@@ -60,21 +60,35 @@ class TileScheduler {
   // The one tile loop: calls f(tile) for this block's tiles, in order.
   template <class F>
   __device__ __forceinline__ void for_each_tile(F&& f) const {
-    for (int tile = blockIdx.x; tile < num_tiles_; tile += gridDim.x) f(locate(tile));
+    int expert = 0;  // kM: the previous tile's expert (a walker's M-tiles only grow)
+    for (int tile = blockIdx.x; tile < num_tiles_; tile += gridDim.x) f(locate(tile, expert));
   }
 
  private:
-  __device__ __forceinline__ Tile locate(int tile) const {
+  // The last expert whose first M-tile is <= m_tile (experts with no tiles are skipped),
+  // from `from`, one whose first M-tile is <= m_tile: up to kSteps experts on one at a time
+  // (a block's next tile is usually a few experts on: gridDim.x tiles later), then a binary
+  // search over the rest. Each probe waits for the one before it, at every tile's top.
+  __device__ __forceinline__ int expert_of(int m_tile, int from) const {
+    constexpr int kSteps = 4;
+    int lo = from, hi = p_.num_experts - 1;
+    for (int step = 0; step < kSteps; ++step) {
+      if (lo >= hi || __ldg(&p_.tile_offsets[lo + 1]) > m_tile) return lo;
+      ++lo;
+    }
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (__ldg(&p_.tile_offsets[mid]) <= m_tile) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  __device__ __forceinline__ Tile locate(int tile, int& expert) const {
     Tile t;
     if constexpr (kGrouping == Grouping::kM) {
       const int m_tile = tile / p_.n_tiles;
       t.n_tile = tile % p_.n_tiles;
-      // Last expert whose first M-tile is <= m_tile (experts with no tiles are skipped).
-      int lo = 0, hi = p_.num_experts - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (__ldg(&p_.tile_offsets[mid]) <= m_tile) lo = mid; else hi = mid - 1;
-      }
+      const int lo = expert = expert_of(m_tile, expert);
       t.expert = lo;
       t.row0 = __ldg(&p_.expert_offsets[lo]) + (m_tile - __ldg(&p_.tile_offsets[lo])) * kBlockM;
       t.rows = min(kBlockM, __ldg(&p_.expert_offsets[lo + 1]) - t.row0);
