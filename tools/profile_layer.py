@@ -103,17 +103,19 @@ def main():
 
 
 def short_name(name: str) -> str:
-    """A kernel's name without namespaces, and a grouped GEMM's as its grouping, A loader and
-    epilogue (its full name is too long to tell the GEMMs apart in a line)."""
+    """A kernel's name without namespaces, and a grouped GEMM's as its grouping (M or K),
+    mainloop, A loader, epilogue (an epilogue inside another after a slash) and tile width:
+    their full names are too long to tell the GEMMs apart in a line."""
     name = re.sub(r"megamoe::|sm90::|\(anonymous namespace\)::|^void ", "", name)
     if name.startswith("grouped_gemm_kernel<"):
         grouping = re.search(r"\(Grouping\)(\d)", name)
         mainloop = re.search(r"(Mainloop\w+)<", name)
         loader = re.search(r"(A(?:Tma|Gathered\w*))<", name)
-        epilogue = re.search(r"(\w+Epilogue)<(\d+)", name)
+        epilogues = re.findall(r"(\w+Epilogue)<", name)
+        width = re.search(r"Epilogue<(\d+)", name)
         parts = ["grouped_gemm", "M" if grouping and grouping.group(1) == "0" else "K",
                  mainloop.group(1) if mainloop else "?", loader.group(1) if loader else "?",
-                 f"{epilogue.group(1)}<{epilogue.group(2)}>" if epilogue else "?"]
+                 ("/".join(epilogues) or "?") + (f"<{width.group(1)}>" if width else "")]
         return " ".join(parts)
     return name
 
