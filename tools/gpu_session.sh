@@ -19,6 +19,13 @@
 #                  tokens, bf16 / fp8 / fp8_bwd rows of torch and fused; FP8_BENCH_ARGS)
 #   bench          the committed layer benchmarks (torch and fused, 16384 and 512 tokens;
 #                  EP=2 too with two GPUs)
+#   ep2            issue 16 on two GPUs: the EP tests (C++ and torchrun, graph replay, fp8,
+#                  2000 back-to-back calls), then the layer benchmark at EP=1 and at EP=2,
+#                  16384 tokens per rank, both presets, bf16 and fp8, the EP overlap switches
+#                  off and then each set of EP2_SWITCHES on (space-separated sets of
+#                  comma-separated NAME=1; default: the dispatch overlap, the epilogue combine,
+#                  both, the backward overlap); EP2_SETS_ONLY=1 skips the tests and the EP=1
+#                  and switches-off rows (a later call's sets)
 #   profile        per-kernel times of both presets (saved mode)
 #   smoke          megamoe-train's embedded GPU default for 10 steps
 #   attn           PyTorch's attention backends on the trainer's attention (tools/attention_backends.py)
@@ -118,6 +125,33 @@ for stage in "$@"; do
       if [ "$gpus" -ge 2 ]; then
         run bench-ep2.log python3 -m torch.distributed.run --nproc-per-node 2 -m megamoe.bench \
           --ep 2 --backends torch,fused --tokens 16384 --out-dir "$work/results" --name h200x2-ep2-t16384
+      fi ;;
+    ep2)
+      if [ "$gpus" -lt 2 ]; then
+        echo "ep2: needs two GPUs, $gpus here" >&2; status=1
+      else
+        mkdir -p "$work/results"
+        tr2=(python3 -m torch.distributed.run --nproc-per-node 2)
+        ep2_bench=(-m megamoe.bench --ep 2 --model qwen3-30b-a3b --model qwen3-235b-a22b
+                   --tokens 16384 --precision bf16,fp8 --out-dir "$work/results" --no-plot)
+        if [ "${EP2_SETS_ONLY:-0}" != 1 ]; then
+          run ep2-cpp.log build/tests/cpp/megamoe_tests --gtest_filter='PeerExchange*:EpLayer*'
+          run ep2-check.log "${tr2[@]}" tests/python/ep_check.py --backend fused --graph
+          run ep2-check-fp8.log "${tr2[@]}" tests/python/ep_check.py --backend fused --precision fp8
+          run ep2-repeats.log "${tr2[@]}" tests/python/ep_check.py --backend fused --repeats 2000
+          run ep2-bench-ep1.log python3 -m megamoe.bench --backends torch,fused \
+            --model qwen3-30b-a3b --model qwen3-235b-a22b --tokens 16384 --precision bf16,fp8 \
+            --out-dir "$work/results" --name h200x2-ep1-t16384 --no-plot
+          run ep2-bench-off.log "${tr2[@]}" "${ep2_bench[@]}" --backends torch,fused \
+            --name h200x2-ep2-t16384
+        fi
+        for set in ${EP2_SWITCHES:-MEGAMOE_EP_OVERLAP_DISPATCH=1 MEGAMOE_EP_EPILOGUE_COMBINE=1 \
+            MEGAMOE_EP_OVERLAP_DISPATCH=1,MEGAMOE_EP_EPILOGUE_COMBINE=1 MEGAMOE_EP_OVERLAP_BACKWARD=1}; do
+          IFS=, read -ra switches <<<"$set"
+          tag=$(echo "$set" | sed -e 's/MEGAMOE_EP_//g' -e 's/=1//g' -e 's/,/-and-/g' | tr 'A-Z_' 'a-z-')
+          run "ep2-bench-$tag.log" env "${switches[@]}" "${tr2[@]}" "${ep2_bench[@]}" \
+            --backends fused --name "h200x2-ep2-t16384-$tag"
+        done
       fi ;;
     profile)
       for model in qwen3-30b-a3b qwen3-235b-a22b; do
