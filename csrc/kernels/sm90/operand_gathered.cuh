@@ -39,6 +39,7 @@ struct AGathered {
 
   __device__ __forceinline__ explicit AGathered(const Params& p) : p_(p) {}
   __device__ __forceinline__ void prefetch() const {}
+  __device__ __forceinline__ void prefetch_tile(const Tile&) const {}
 
   // The token of each of this thread's rows; -1 past the expert's end (never copied: their
   // shared memory is left as it is). 32-bit to stay inside the producer's 56 registers.

@@ -100,6 +100,15 @@ struct ATma {
   }
   template <class Tiles>
   __device__ __forceinline__ void load_async(Tiles&, int, uint64_t*, const Tile&, int) const {}
+  // The tile's boxes into L2 (K-major, Grouping::kM only: the others are read once per
+  // tile row anyway).
+  __device__ __forceinline__ void prefetch_tile(const Tile& t) const {
+    if constexpr (kMajor == Major::kK && kGrouping == Grouping::kM) {
+      for (int kb = 0; kb < t.k_blocks; ++kb) {
+        tma_prefetch_l2_2d(&map_, kb * Mainloop::kBlockK, t.row(padded_));
+      }
+    }
+  }
 
  private:
   const CUtensorMap& map_;
@@ -170,6 +179,25 @@ struct BTma {
     if constexpr (kRowScales) {
       tma_load_2d(tiles.b_scales[s], &scale_map_, bar, t.n_tile * kBlockN,
                   scale_block<Mainloop>(t, kb));
+    }
+  }
+  // The tile's boxes of every k-block into L2, where load() will find them.
+  __device__ __forceinline__ void prefetch_tile(const Tile& t) const {
+    constexpr int kBlockK = Mainloop::kBlockK;
+    const int b_row = t.expert * expert_rows_;
+    for (int kb = 0; kb < t.k_blocks; ++kb) {
+      if constexpr (kMajor == Major::kMN) {
+#pragma unroll
+        for (int box = 0; box < kBlockN / 64; ++box) {
+          tma_prefetch_l2_2d(&map_, t.n_tile * kBlockN + box * 64, b_row + t.k_row0 + kb * kBlockK);
+        }
+      } else if constexpr (kColumns == BColumns::kGateUpHalves) {
+        const int n = t.n_tile * (kBlockN / 2);
+        tma_prefetch_l2_2d(&map_, kb * kBlockK, b_row + n);
+        tma_prefetch_l2_2d(&map_, kb * kBlockK, b_row + half_n_ + n);
+      } else {
+        tma_prefetch_l2_2d(&map_, t.k_row0 + kb * kBlockK, b_row + t.n_tile * kBlockN);
+      }
     }
   }
 

@@ -9,6 +9,11 @@
 
 #include "kernels/sm90/gemm_common.cuh"
 
+// 0: none; 1: the next tile's B into L2; 2: its A too.
+#ifndef MEGAMOE_PREFETCH_NEXT_TILE
+#define MEGAMOE_PREFETCH_NEXT_TILE 1
+#endif
+
 namespace megamoe::sm90 {
 
 template <class Mainloop, class ALoad, class BLoad>
@@ -37,7 +42,36 @@ struct Producer {
       b.prefetch();
     }
     PipelineState<kStages> state;
-    scheduler.for_each_tile([&](const Tile& t) {
+    if constexpr (kThreads > 1) {  // the gathering producers have no registers to spare
+      scheduler.for_each_tile([&](const Tile& t) {
+        a.begin_tile(t);
+        for (int kb = 0; kb < t.k_blocks; ++kb) {
+          const int s = state.stage;
+          mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
+          if (tma_thread) {
+            mbarrier_arrive_expect_tx(&pipe.full[s], kTmaBytes);
+            a.load_tma(tiles, s, &pipe.full[s], t, kb);
+            b.load(tiles, s, &pipe.full[s], t, kb);
+            mainloop.load_extras(tiles, s, &pipe.full[s], t, kb);
+          }
+          a.load_async(tiles, s, &pipe.full[s], t, kb);
+          state.advance();
+        }
+      });
+      return;
+    }
+    const int count = scheduler.num_tiles();
+    int tile = blockIdx.x;
+    if (tile >= count) return;
+    Tile t = scheduler.at(tile);
+    while (true) {
+      // The block's next tile, located once its first loads are out (and then reused as
+      // the current one): with many experts its weights would otherwise come from DRAM
+      // while its first stages wait, so its boxes go into L2 now.
+      const int after = tile + int(gridDim.x);
+      const bool has_next = after < count;
+      Tile next = t;
+      bool located = false;
       a.begin_tile(t);
       for (int kb = 0; kb < t.k_blocks; ++kb) {
         const int s = state.stage;
@@ -50,8 +84,21 @@ struct Producer {
         }
         a.load_async(tiles, s, &pipe.full[s], t, kb);
         state.advance();
+#if MEGAMOE_PREFETCH_NEXT_TILE > 0
+        if (kb == 0 && has_next) {
+          next = scheduler.at(after);
+          located = true;
+          if (tma_thread) {
+            b.prefetch_tile(next);
+            if constexpr (MEGAMOE_PREFETCH_NEXT_TILE > 1) a.prefetch_tile(next);
+          }
+        }
+#endif
       }
-    });
+      if (!has_next) return;
+      t = located ? next : scheduler.at(after);
+      tile = after;
+    }
   }
 };
 

@@ -62,6 +62,10 @@ class TileScheduler {
   __device__ __forceinline__ void for_each_tile(F&& f) const {
     for (int tile = blockIdx.x; tile < num_tiles_; tile += gridDim.x) f(locate(tile));
   }
+  // The same walk by index, for a loop that looks one tile ahead (the producer's L2
+  // prefetch): tiles blockIdx.x, + gridDim.x, ... below num_tiles().
+  __device__ __forceinline__ int num_tiles() const { return num_tiles_; }
+  __device__ __forceinline__ Tile at(int tile) const { return locate(tile); }
 
  private:
   __device__ __forceinline__ Tile locate(int tile) const {
