@@ -129,19 +129,22 @@ __device__ __forceinline__ void wait_for_tma_stores() {
 
 // The frame of an output that writes each tile's 64-row slab per warpgroup (StoreEpilogue,
 // Fp8RowsEpilogue) of the output values Values gives (kCols columns, from the B tile
-// kBColumns): its staging buffer (a bf16 slab per consumer warpgroup), the row layout, and
-// store()'s choice between Derived's store_staged (a full slab) and store_direct (rows past
-// the expert's end: masked stores from registers). The accessors serve the epilogues built
-// on an output (the saved h stages in its buffer).
-template <class Derived, int kBlockN_, class Values>
+// kBColumns): its staging buffer (kStageCols bf16 columns of a slab per consumer warpgroup:
+// the whole slab, or a piece of it that the slab's stores take turns in), the row layout,
+// and store()'s choice between Derived's store_staged (a full slab) and store_direct (rows
+// past the expert's end: masked stores from registers). The accessors serve the epilogues
+// built on an output (the saved h stages in its buffer).
+template <class Derived, int kBlockN_, class Values, int kStageCols_ = Values::kCols>
 class SlabOutput {
  public:
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kOutCols = Values::kCols;
+  static constexpr int kStageCols = kStageCols_;
   static constexpr BColumns kBColumns = Values::kBColumns;
+  static_assert(kOutCols % kStageCols == 0 && kStageCols % kStoreBoxCols == 0);
 
   struct Buffers {
-    uint8_t staging[2][64 * kOutCols * 2];
+    uint8_t staging[2][64 * kStageCols * 2];
   };
   struct Barriers {};
   __device__ __forceinline__ static void init(Barriers&) {}

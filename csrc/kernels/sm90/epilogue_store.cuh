@@ -26,9 +26,15 @@ struct AccumulatorValues {
   }
 };
 
-template <int kBlockN_, class Values = AccumulatorValues<kBlockN_>>
-class StoreEpilogue : public SlabOutput<StoreEpilogue<kBlockN_, Values>, kBlockN_, Values> {
-  using Base = SlabOutput<StoreEpilogue, kBlockN_, Values>;
+// kStageCols < kOutCols: a full slab leaves in kOutCols / kStageCols pieces through a
+// staging buffer of kStageCols columns, each piece's TMA stores reading the buffer before
+// the next piece is written. A smaller buffer leaves room for one more stage of the ring
+// (the 256-wide plain-store GEMMs: 3 stages with a whole slab's 32 KB per warpgroup, 4 with
+// half of it).
+template <int kBlockN_, class Values = AccumulatorValues<kBlockN_>, int kStageCols = Values::kCols>
+class StoreEpilogue
+    : public SlabOutput<StoreEpilogue<kBlockN_, Values, kStageCols>, kBlockN_, Values, kStageCols> {
+  using Base = SlabOutput<StoreEpilogue, kBlockN_, Values, kStageCols>;
 
  public:
   using Base::kBlockN, Base::kOutCols;
@@ -51,9 +57,15 @@ class StoreEpilogue : public SlabOutput<StoreEpilogue<kBlockN_, Values>, kBlockN
   // The parts of store(), for the epilogues built on this one.
   __device__ __forceinline__ void store_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
     const int consumer = this->consumer();
-    store_slab_staged<kOutCols>(map_, this->staging(), consumer, t.n_tile * kOutCols,
-                                t.row(this->padded()) + consumer * 64,
-                                [&](int q, int half, int j) { return Values::get(acc, q, half, j); });
+#pragma unroll
+    for (int piece = 0; piece < kOutCols / kStageCols; ++piece) {
+      constexpr int kPieceChunks = kStageCols / 8;
+      store_slab_staged<kStageCols>(
+          map_, this->staging(), consumer, t.n_tile * kOutCols + piece * kStageCols,
+          t.row(this->padded()) + consumer * 64, [&](int q, int half, int j) {
+            return Values::get(acc, piece * kPieceChunks + q, half, j);
+          });
+    }
   }
   __device__ __forceinline__ void store_direct(const Tile& t, const float (&acc)[kBlockN / 2]) {
     const int slab = this->consumer() * 64;

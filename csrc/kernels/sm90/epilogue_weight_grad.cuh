@@ -10,10 +10,11 @@
 
 namespace megamoe::sm90 {
 
-template <int kBlockN_>
+template <int kBlockN_, int kStageCols = kBlockN_>
 class WeightGradEpilogue {
  public:
-  using Bf16 = StoreEpilogue<kBlockN_>;  // the bf16 output; the tile is the same
+  // The bf16 output; the tile is the same (kStageCols: epilogue_store.cuh).
+  using Bf16 = StoreEpilogue<kBlockN_, AccumulatorValues<kBlockN_>, kStageCols>;
   static constexpr int kBlockN = Bf16::kBlockN, kOutCols = Bf16::kOutCols;
   static constexpr BColumns kBColumns = Bf16::kBColumns;
 
