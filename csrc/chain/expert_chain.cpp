@@ -16,6 +16,8 @@ namespace {
 
 using sm90::RowLayout;
 
+bool unpaired_short_tiles();
+
 // An M-grouped GEMM over the rows: A with k columns, the experts' weights b, and
 // C = c [rows, n] in row order; bf16 (MGroupedA, weights) or FP8 (MGroupedFp8A, Fp8Weights).
 template <class A, class B>
@@ -23,7 +25,8 @@ auto over_rows(const Rows& r, const A& a, const B& b, int64_t k, int64_t n, __nv
   std::conditional_t<std::is_same_v<A, sm90::MGroupedFp8A>, sm90::MGroupedFp8GemmArgs,
                      sm90::MGroupedGemmArgs>
       g;
-  g.groups = {r.num_experts, r.plan.expert_offsets, r.plan.tile_offsets, r.rows};
+  g.groups = {r.num_experts, r.plan.expert_offsets, r.plan.tile_offsets, r.rows,
+              unpaired_short_tiles() ? nullptr : r.plan.short_tile_offsets};
   g.a = a;
   g.b = b;
   g.k = k;
@@ -129,6 +132,12 @@ bool fp8_unfused_columns() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_COLS"
 // (quantize_fp8_rows_and_columns). A diagnostic, for an A/B of the two on the GPU; the
 // bits are the same.
 bool fp8_unfused_quantization() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_QUANT"); }
+
+// MEGAMOE_UNPAIRED_SHORT_TILES set (and not "0"): the FP8 GEMMs run an expert's last M-tile
+// of at most 64 rows as whole tiles, one warpgroup idle, instead of pairing its N-tiles
+// (ExpertGroups::short_tile_offsets). A diagnostic, for an A/B on the GPU; the bits are the
+// same.
+bool unpaired_short_tiles() { return diagnostic_switch("MEGAMOE_UNPAIRED_SHORT_TILES"); }
 
 // The padded rows of the plan over a token matrix (x, or dy scaled by the rows' slot
 // weights: p dy), [padded_rows, cols] as gather_rows_padded writes them, quantized into

@@ -21,19 +21,23 @@ namespace megamoe_test {
 inline std::vector<int32_t> awkward_counts() { return {0, 200, 77, 1, 0, 131, 256, 0}; }
 
 // The host side of an expert grouping: sorted row r of expert e is padded row
-// tiles[e] * 128 + (r - offsets[e]).
+// tiles[e] * 128 + (r - offsets[e]). shorts: the prefix count of experts whose last M-tile
+// holds at most 64 rows (RoutingPlan::short_tile_offsets: the FP8 GEMMs pair its N-tiles).
 struct HostGroups {
-  std::vector<int32_t> counts, offsets, tiles, expert_of_row;
+  std::vector<int32_t> counts, offsets, tiles, shorts, expert_of_row;
   int64_t rows = 0, padded_rows = 0;
 
   explicit HostGroups(std::vector<int32_t> c) : counts(std::move(c)) {
     const size_t E = counts.size();
     offsets.assign(E + 1, 0);
     tiles.assign(E + 1, 0);
+    shorts.assign(E + 1, 0);
     for (size_t e = 0; e < E; ++e) {
       offsets[e + 1] = offsets[e] + counts[e];
       tiles[e + 1] = tiles[e] + (counts[e] + megamoe::sm90::kGemmBlockM - 1) /
                                     megamoe::sm90::kGemmBlockM;
+      const int32_t tail = counts[e] % megamoe::sm90::kGemmBlockM;
+      shorts[e + 1] = shorts[e] + (tail != 0 && tail <= megamoe::sm90::kGemmBlockM / 2);
       for (int32_t i = 0; i < counts[e]; ++i) expert_of_row.push_back(static_cast<int32_t>(e));
     }
     rows = offsets[E];
@@ -128,8 +132,10 @@ struct GroupedA {
 // The fixture of the M-grouped tests: a grouping on the device and A in any layout.
 class MGroupedGemmTest : public GpuTest {
  protected:
-  megamoe::sm90::ExpertGroups upload_groups(const HostGroups& g) {
-    return {g.num_experts(), upload(g.offsets), upload(g.tiles), g.rows};
+  // paired: with short_tile_offsets (which only the FP8 GEMMs read).
+  megamoe::sm90::ExpertGroups upload_groups(const HostGroups& g, bool paired = true) {
+    return {g.num_experts(), upload(g.offsets), upload(g.tiles), g.rows,
+            paired ? upload(g.shorts) : nullptr};
   }
 
   // A [rows, k] ~ N(0, 1): materialised sorted or padded (pad rows NaN: no valid output may

@@ -192,23 +192,36 @@ TEST_P(Fp8StoreGpu, MatchesDequantizedProduct) {
   const uint64_t seed = megamoe_test::fresh_seed();
   SEEDED(seed);
   std::mt19937_64 rng(seed);
-  const HostGroups g(megamoe_test::awkward_counts());
-  // 5 k-blocks; N = 384: three 128-wide tiles; N = 768: three 256-wide ones (each over two
-  // B scale blocks), except with a gathered A, which runs 128-wide.
-  for (const int64_t N : {384, 768}) {
-    SCOPED_TRACE("N = " + std::to_string(N));
-    const int64_t K = 640, E = g.num_experts();
-    const Fp8A a = make_fp8_a(g, p.a, K, 300, rng);
-    const Fp8B b = make_fp8_b(E, N, K, p.transposed_scales, rng);
-    const auto args = fp8_args(g, a, b, K, N, N, p.c);
-    megamoe::sm90::m_grouped_fp8_gemm_nt(args, stream_);
-    CUDA_OK(cudaGetLastError());
-    const std::vector<uint16_t> c = download_bf16(args.c.data, args.c.rows * N);
-    const std::vector<double> ref = megamoe_test::grouped_product(g, a.rows, b.values, K, N, false);
-    EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(c, g, p.c, N), ref, "C"),
-              kFp8GemmBound);
-    if (p.c == RowLayout::kPadded) {
-      EXPECT_EQ(megamoe_test::bad_pad_elements(c, g, N, megamoe_test::is_poison), 0);
+  // The awkward groups, then last M-tiles of exactly 64 rows and of 65 (paired and not).
+  for (const auto& counts : {megamoe_test::awkward_counts(),
+                             std::vector<int32_t>{64, 192, 3, 65, 0, 128}}) {
+    const HostGroups g(counts);
+    // 5 k-blocks; N = 384: three 128-wide tiles; N = 768: three 256-wide ones (each over
+    // two B scale blocks), except with a gathered A, which runs 128-wide; N = 512: two
+    // 256-wide tiles, which pair without a plain one left.
+    for (const int64_t N : {384, 512, 768}) {
+      SCOPED_TRACE("N = " + std::to_string(N) + ", experts " + std::to_string(counts.size()));
+      const int64_t K = 640, E = g.num_experts();
+      const Fp8A a = make_fp8_a(g, p.a, K, 300, rng);
+      const Fp8B b = make_fp8_b(E, N, K, p.transposed_scales, rng);
+      const auto args = fp8_args(g, a, b, K, N, N, p.c);
+      megamoe::sm90::m_grouped_fp8_gemm_nt(args, stream_);
+      CUDA_OK(cudaGetLastError());
+      const std::vector<uint16_t> c = download_bf16(args.c.data, args.c.rows * N);
+      const std::vector<double> ref =
+          megamoe_test::grouped_product(g, a.rows, b.values, K, N, false);
+      EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(c, g, p.c, N), ref, "C"),
+                kFp8GemmBound);
+      if (p.c == RowLayout::kPadded) {
+        EXPECT_EQ(megamoe_test::bad_pad_elements(c, g, N, megamoe_test::is_poison), 0);
+      }
+      // Without pairing the short tiles (one warpgroup idle on each): the same bits.
+      auto unpaired = args;
+      unpaired.groups = upload_groups(g, false);
+      unpaired.c.data = poisoned_bf16(args.c.rows * N);
+      megamoe::sm90::m_grouped_fp8_gemm_nt(unpaired, stream_);
+      CUDA_OK(cudaGetLastError());
+      EXPECT_EQ(download_bf16(unpaired.c.data, args.c.rows * N), c) << "paired != unpaired";
     }
   }
 }

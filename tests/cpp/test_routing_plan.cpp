@@ -27,7 +27,7 @@ constexpr unsigned char kPoisonByte = 0x7b;
 // ---------------------------------------------------------------------------------------
 // CPU oracle: std::stable_sort of the valid slots by expert id.
 struct HostPlan {
-  std::vector<int32_t> counts, offsets, tiles, row_token, row_slot, slot_row;
+  std::vector<int32_t> counts, offsets, tiles, shorts, row_token, row_slot, slot_row;
   int32_t invalid = 0;
 };
 
@@ -48,9 +48,13 @@ HostPlan cpu_plan(const std::vector<int64_t>& ids, int64_t k, int64_t E, int32_t
   for (int32_t s : valid) ++p.counts[ids[s]];
   p.offsets.assign(E + 1, 0);
   p.tiles.assign(E + 1, 0);
+  p.shorts.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) {
     p.offsets[e + 1] = p.offsets[e] + p.counts[e];
     p.tiles[e + 1] = p.tiles[e] + (p.counts[e] + block_m - 1) / block_m;
+    // The last M-tile holds 1..block_m / 2 rows.
+    const int32_t tail = p.counts[e] % block_m;
+    p.shorts[e + 1] = p.shorts[e] + (tail != 0 && tail <= block_m / 2);
   }
   p.row_token.assign(n, -1);
   p.row_slot.assign(n, -1);
@@ -128,14 +132,14 @@ class RoutingPlanGpu : public megamoe_test::GpuTest {
   struct Buffers {
     int64_t n = 0, E = 0;
     int32_t *counts = nullptr, *offsets = nullptr, *tiles = nullptr, *row_token = nullptr,
-            *row_slot = nullptr, *slot_row = nullptr, *invalid = nullptr;
+            *row_slot = nullptr, *slot_row = nullptr, *invalid = nullptr, *shorts = nullptr;
     void* scratch = nullptr;
     size_t scratch_bytes = 0;
     void* ids = nullptr;
     bool ids64 = false;
 
     megamoe::RoutingPlan plan() const {
-      return {counts, offsets, tiles, row_token, row_slot, slot_row, invalid};
+      return {counts, offsets, tiles, row_token, row_slot, slot_row, invalid, shorts};
     }
   };
 
@@ -153,6 +157,7 @@ class RoutingPlanGpu : public megamoe_test::GpuTest {
     b.counts = int_buffer(E);
     b.offsets = int_buffer(E + 1);
     b.tiles = int_buffer(E + 1);
+    b.shorts = int_buffer(E + 1);
     b.invalid = int_buffer(1);
     if (b.n > 0) {
       b.row_token = int_buffer(b.n);
@@ -195,6 +200,7 @@ class RoutingPlanGpu : public megamoe_test::GpuTest {
     fill(b.counts, b.E);
     fill(b.offsets, b.E + 1);
     fill(b.tiles, b.E + 1);
+    fill(b.shorts, b.E + 1);
     fill(b.invalid, 1);
     fill(b.row_token, b.n);
     fill(b.row_slot, b.n);
@@ -232,6 +238,7 @@ class RoutingPlanGpu : public megamoe_test::GpuTest {
     get(b.counts, b.E, p.counts, "expert_counts");
     get(b.offsets, b.E + 1, p.offsets, "expert_offsets");
     get(b.tiles, b.E + 1, p.tiles, "tile_offsets");
+    get(b.shorts, b.E + 1, p.shorts, "short_tile_offsets");
     get(b.invalid, 1, invalid, "invalid_count");
     get(b.row_token, b.n, p.row_token, "row_token");
     get(b.row_slot, b.n, p.row_slot, "row_slot");
@@ -244,6 +251,7 @@ class RoutingPlanGpu : public megamoe_test::GpuTest {
     expect_same("expert_counts", got.counts, want.counts);
     expect_same("expert_offsets", got.offsets, want.offsets);
     expect_same("tile_offsets", got.tiles, want.tiles);
+    expect_same("short_tile_offsets", got.shorts, want.shorts);
     expect_same("row_token", got.row_token, want.row_token);
     expect_same("row_slot", got.row_slot, want.row_slot);
     expect_same("slot_row", got.slot_row, want.slot_row);

@@ -117,6 +117,25 @@ def _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch, regr
             assert torch.equal(g_default[name], g_switched[name]), name
 
 
+PAIRED_CASES = GATHER_A_CASES + [
+    # 24 experts of 1-64 rows and of 65-127 (short and not), 256-wide tiles at H = I = 512
+    (2000, 512, 512, 64, 2, dict(invalid_fraction=0.01)),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("T,H,I,E,k,extra", PAIRED_CASES)
+def test_paired_short_tiles_keep_the_bits(T, H, I, E, k, extra, precision, mode, monkeypatch):
+    """An expert's last M-tile of at most 64 rows, its N-tiles run two at a time (one per
+    consumer warpgroup: the default in the FP8 GEMMs but the SwiGLU backward's), and
+    MEGAMOE_UNPAIRED_SHORT_TILES=1 (one N-tile at a time, a warpgroup idle): each output
+    element is the same MMAs and promotions either way, so y and every gradient have the
+    same bits."""
+    p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 37, **extra)
+    _check_switch_keeps_the_bits(p, "MEGAMOE_UNPAIRED_SHORT_TILES", precision, mode, monkeypatch)
+
+
 UNFUSED_CASES = GATHER_A_CASES + [
     (600, 256, 128, 4, 1, dict(skip_experts=(0, 1, 2))),  # every row on one expert, k = 1
     (333, 128, 128, 16, 4, dict(one_expert=5)),  # one expert, the other slots dropped

@@ -168,6 +168,12 @@ __device__ __forceinline__ int32_t tiles_of(int32_t count, int32_t block_m) {
   return count / block_m + (count % block_m != 0);
 }
 
+// Whether an expert's last M-tile holds at most half of block_m rows (and at least one).
+__device__ __forceinline__ int32_t short_last_tile(int32_t count, int32_t block_m) {
+  const int32_t tail = count % block_m;
+  return tail != 0 && tail <= block_m / 2;
+}
+
 // One block. `parts` splits the blocks of each expert column among threads:
 // thread work item i = (part p, expert e) covers hist rows [p*blocks/parts, (p+1)*blocks/parts).
 __global__ void __launch_bounds__(kScanThreads)
@@ -219,25 +225,30 @@ __global__ void __launch_bounds__(kScanThreads)
   // 3. Exclusive scans over experts: thread tid owns the contiguous experts [e0, e1).
   const int per = (E + kScanThreads - 1) / kScanThreads;
   const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
-  int32_t c_sum = 0, t_sum = 0;
+  int32_t c_sum = 0, t_sum = 0, s_sum = 0;
   for (int e = e0; e < e1; ++e) {
     c_sum += base[e];
     t_sum += tiles_of(base[e], block_m);
+    s_sum += short_last_tile(base[e], block_m);
   }
-  int32_t c_total = 0, t_total = 0;
+  int32_t c_total = 0, t_total = 0, s_total = 0;
   int32_t c_run = block_exclusive_scan(c_sum, warp_sums, c_total);
   int32_t t_run = block_exclusive_scan(t_sum, warp_sums, t_total);
+  int32_t s_run = block_exclusive_scan(s_sum, warp_sums, s_total);
   for (int e = e0; e < e1; ++e) {
     const int32_t c = base[e];
     plan.expert_offsets[e] = c_run;
     plan.tile_offsets[e] = t_run;
+    if (plan.short_tile_offsets) plan.short_tile_offsets[e] = s_run;
     base[e] = c_run;
     c_run += c;
     t_run += tiles_of(c, block_m);
+    s_run += short_last_tile(c, block_m);
   }
   if (tid == 0) {
     plan.expert_offsets[E] = c_total;
     plan.tile_offsets[E] = t_total;
+    if (plan.short_tile_offsets) plan.short_tile_offsets[E] = s_total;
   }
   __syncthreads();
   // 4. In place: hist[b][e] <- first sorted row of expert e owned by block b.
@@ -389,6 +400,7 @@ RoutingPlanWorkspace carve_routing_plan(WorkspaceCarver& carver, int64_t num_slo
   w.plan.expert_counts = carver.take<int32_t>(num_experts);
   w.plan.expert_offsets = carver.take<int32_t>(num_experts + 1);
   w.plan.tile_offsets = carver.take<int32_t>(num_experts + 1);
+  w.plan.short_tile_offsets = carver.take<int32_t>(num_experts + 1);
   w.plan.row_token = carver.take<int32_t>(num_slots);
   w.plan.row_slot = carver.take<int32_t>(num_slots);
   w.plan.slot_row = carver.take<int32_t>(num_slots);

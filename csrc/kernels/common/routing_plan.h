@@ -27,6 +27,10 @@ struct RoutingPlan {          // all device pointers, caller-allocated
   int32_t* row_slot;          // [T*k] sorted row r < N: slot index t*k+j; rows >= N: -1
   int32_t* slot_row;          // [T*k] inverse: sorted row of slot t*k+j, or -1 for an id of -1
   int32_t* invalid_count;     // [1]   slots with id < -1 or >= E (treated like -1, counted)
+  // Optional [E+1]: exclusive prefix of the experts whose last M-tile holds 1..block_m/2
+  // rows (the grouped GEMMs run such a tile's N-tiles two at a time, one per consumer
+  // warpgroup: tile_scheduler.cuh). Written when set.
+  int32_t* short_tile_offsets = nullptr;
 };
 
 // Largest number of experts build_routing_plan accepts (its shared-memory histograms stay

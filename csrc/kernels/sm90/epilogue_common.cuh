@@ -6,6 +6,9 @@
 // memory, which the stage count leaves room for) and Barriers; init(barriers) (thread 0,
 // before the kernel's first sync); a constructor (params, buffers, barriers, consumer);
 // begin_tile(tile), before the tile's MMAs; store(tile, acc); finish(), after the last tile.
+// Optionally kWritesPadRows = true: it writes an M-tile's pad rows too (the padded layout's
+// zeros), so the FP8 GEMMs do not pair its short tiles' N-tiles (tile_scheduler.cuh). The
+// tile an epilogue gets is its warpgroup's (Tile::for_consumer).
 // Like every part, an epilogue copies its scalars out of the kernel's params when it is
 // constructed and uses only the tensor maps in place (TMA wants their address): loads
 // through a reference to the params are not hoisted across the inline asm around them, which

@@ -52,6 +52,8 @@ class SwiGLUBackwardEpilogue {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kOutCols = kBlockN;  // of a = silu(g) u; dh has two such tiles
   static constexpr BColumns kBColumns = BColumns::kContiguous;
+  // Pad rows of dh and a_out are written (as zeros): every slab of an M-tile is stored.
+  static constexpr bool kWritesPadRows = true;
 
   struct Operands {
     const __nv_bfloat16* h;      // [sorted rows, 2I]

@@ -39,6 +39,10 @@ struct ExpertGroups {
   const int32_t* expert_offsets = nullptr;  // device [E+1]: expert e's sorted rows start
   const int32_t* tile_offsets = nullptr;    // device [E+1]: expert e's first M-tile
   int64_t rows = 0;  // sorted rows allocated (>= expert_offsets[E]); 0: nothing to do
+  // Optional device [E+1] (RoutingPlan::short_tile_offsets): the FP8 GEMMs whose output
+  // rows need no pad rows written then run an expert's last M-tile of at most 64 rows two
+  // N-tiles at a time, one per consumer warpgroup.
+  const int32_t* short_tile_offsets = nullptr;
 };
 
 // A [rows, k] bf16 row-major, either materialised in `layout`, or gathered: sorted row r is

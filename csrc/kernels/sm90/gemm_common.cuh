@@ -88,7 +88,26 @@ struct Tile {
   int m0;           // kK: the tile's first row of the expert's gradient (a column of A)
   int k_row0;       // kK: the expert's first padded row, where its reduction starts; kM: 0
   int k_blocks;     // k-blocks to reduce (0 for an expert without rows: C is zero)
+  // kM: a pair of N-tiles (n_tile, n_tile + 1) of an M-tile of at most 64 rows, one per
+  // consumer warpgroup: each runs its N-tile over rows 0-63 from its own stages (the producer
+  // fills two per k-block), so the tile costs what one N-tile of 128 rows does.
+  int paired;
   __device__ __forceinline__ int row(bool padded) const { return padded ? padded_row0 : row0; }
+  // The tile as consumer warpgroup `consumer` computes it. A paired tile's warpgroup 1 takes
+  // the second N-tile, and its 64-row slab (rows consumer * 64.. of the view) is rows 0-63
+  // of the M-tile: the epilogues' slab arithmetic then holds unchanged.
+  __device__ __forceinline__ Tile for_consumer(int consumer) const {
+    Tile v = *this;
+    if (paired) {
+      v.n_tile += consumer;
+      v.row0 -= 64 * consumer;
+      v.padded_row0 -= 64 * consumer;
+      v.rows += 64 * consumer;
+    }
+    return v;
+  }
+  // The consumer's first A row in the stage (a paired tile's warpgroups both read rows 0-63).
+  __device__ __forceinline__ int a_slab(int consumer) const { return paired ? 0 : consumer; }
 };
 
 }  // namespace megamoe::sm90

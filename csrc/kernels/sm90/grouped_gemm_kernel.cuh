@@ -27,13 +27,19 @@
 
 namespace megamoe::sm90 {
 
+// A mainloop with kPairedTiles = true runs Tile::paired tiles; an epilogue with
+// kWritesPadRows = true writes an M-tile's pad rows (absent: neither).
+template <class Mainloop>
+concept PairsTiles = requires { requires Mainloop::kPairedTiles; };
+template <class Epilogue>
+concept WritesPadRows = requires { requires Epilogue::kWritesPadRows; };
+
 template <Grouping kGrouping, class Mainloop_, class ALoad_, class BLoad_, class Epilogue_>
 struct GroupedGemm {
   using Mainloop = Mainloop_;
   using ALoad = ALoad_;
   using BLoad = BLoad_;
   using Epilogue = Epilogue_;
-  using Scheduler = TileScheduler<kGrouping, Mainloop::kBlockK>;
   using Producer = sm90::Producer<Mainloop, ALoad, BLoad>;
 
   static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
@@ -69,6 +75,17 @@ struct GroupedGemm {
   }
   static constexpr int kStages = most_stages<kMaxSharedBytes / Mainloop::kStageBytes>();
 
+  // Paired short tiles (Tile::paired): M-grouped, a mainloop that runs them, a producer that
+  // fills two stages per k-block (TMA A: the gathering producers have no registers to
+  // spare), an epilogue that leaves pad rows alone (a paired tile writes rows 0-63 only),
+  // and 4 stages or more: a paired k-block takes two, and a ring of 3 then holds no next
+  // k-block whole, so each warpgroup waits on its loads (the 3-stage FP8 GEMMs ran 16-20%
+  // slower paired). The others compile without them.
+  static constexpr bool kPairedTiles = kGrouping == Grouping::kM && PairsTiles<Mainloop> &&
+                                       ALoad_::kThreads == 1 && !WritesPadRows<Epilogue> &&
+                                       kStages >= 4;
+  using Scheduler = TileScheduler<kGrouping, Mainloop::kBlockK, kPairedTiles>;
+
   struct Params {
     typename Scheduler::Params scheduler;
     typename ALoad::Params a;
@@ -86,6 +103,7 @@ struct GroupedGemm {
   static_assert(offsetof(SharedStorage, tiles) % 1024 == 0, "tiles must be swizzle-aligned");
   static_assert(kStages >= 2);
 };
+
 
 template <class Gemm>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -127,11 +145,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Mainloop mainloop(p.mainloop);
   float acc[Mainloop::kAccumulators];
   PipelineState<kStages> state;
-  scheduler.for_each_tile([&](const Tile& t) {
+  const auto run_tile = [&](const Tile& t) {
     epilogue.begin_tile(t);
     mainloop.template mma<Gemm::ALoad::kGenericProxy>(smem.tiles, smem.pipeline, state, t, acc,
                                                       consumer);
     epilogue.store(t, acc);
+  };
+  scheduler.for_each_tile([&](const Tile& tile) {
+    // Only a GEMM with kPairedTiles gets them; the others keep the registers the view takes.
+    if constexpr (Gemm::kPairedTiles) {
+      run_tile(tile.for_consumer(consumer));
+    } else {
+      run_tile(tile);
+    }
   });
   epilogue.finish();
 }

@@ -28,6 +28,7 @@ void check_fp8(const MGroupedFp8GemmArgs& a, const std::string& name) {
   if (a.a.gather != nullptr && a.a.rows < 1) throw_invalid(name + ": gathered A has no rows");
 }
 
+
 // Launches Gemm over the call's groups, its A (gathered or by TMA) with A's scales, B and
 // the epilogue. up_block: the block row of an expert's first up row (gate-up B).
 template <class Gemm>
@@ -36,7 +37,8 @@ void launch(const MGroupedFp8GemmArgs& a, const typename Gemm::BLoad::Params& b,
             cudaStream_t stream) {
   typename Gemm::Params p{};
   p.scheduler = Gemm::Scheduler::m_grouped(a.groups.expert_offsets, a.groups.tile_offsets,
-                                           a.groups.num_experts, a.k, n_tiles);
+                                           a.groups.num_experts, a.k, n_tiles,
+                                           a.groups.short_tile_offsets);
   if constexpr (std::is_same_v<typename Gemm::ALoad, AGathered<typename Gemm::Mainloop>>) {
     p.a = Gemm::ALoad::params(a.a.data, a.a.gather, a.k, a.a.scales, a.a.scale_ld);
   } else {

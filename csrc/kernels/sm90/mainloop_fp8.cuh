@@ -58,6 +58,7 @@ struct MainloopFp8 {
   static constexpr int kPartials = 64;  // one 128-column group's scratch
   static constexpr int kExtraTmaBytes = 0;
   static constexpr int kConsumerArrivals = 4;
+  static constexpr bool kPairedTiles = true;  // Tile::paired: see mma()
   // Narrow: 128 accumulators per consumer thread (sums and scratch) leave room to give the
   // producer more (its row gather also copies the rows' scales). Wide: 192 (128 sums, 64
   // scratch); its A comes by TMA, so the producer's one thread needs few.
@@ -114,9 +115,21 @@ struct MainloopFp8 {
     }
     const int row = Fragment::row0();
     const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
+    const int a_slab = t.a_slab(consumer);
     const bool warp_leader = threadIdx.x % 32 == 0;
     float partial[kPartials];
     for (int kb = 0; kb < t.k_blocks; ++kb) {
+      // A paired tile's k-block is two stages, one per warpgroup; each warpgroup releases
+      // both (release_other).
+      PipelineState<kStages> other = state;
+      if (t.paired) {
+        other.advance();
+        if (consumer == 1) {
+          const PipelineState<kStages> first = state;
+          state = other;
+          other = first;
+        }
+      }
       float sb[2] = {1.f, 1.f};
       if constexpr (!kBRowScales) {
         sb[0] = __ldg(b_rows[0] + kb * s_k_);
@@ -126,9 +139,9 @@ struct MainloopFp8 {
       }
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       if constexpr (kGenericProxyA) fence_proxy_async_shared();
-      const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + consumer * 64 * kBlockK);
+      const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + a_slab * 64 * kBlockK);
       const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]);
-      const float* a_scales = tiles.a_scales[state.stage] + a_offset + consumer * 64;
+      const float* a_scales = tiles.a_scales[state.stage] + a_offset + a_slab * 64;
       float sa[2];
 #pragma unroll
       for (int g = 0; g < kHalves; ++g) {
@@ -153,7 +166,10 @@ struct MainloopFp8 {
         // needs (its A scales are in registers), so the stage goes back before the last
         // promotion.
         if constexpr (!kBRowScales) {
-          if (g == kHalves - 1) release(pipe, state, warp_leader);
+          if (g == kHalves - 1) {
+            release(pipe, state, warp_leader);
+            if (t.paired) release_other(pipe, other, warp_leader);
+          }
         }
         // A narrow gate-up tile's group is 64 gate and 64 up columns, each with its block.
         if constexpr (kHalves == 2) {
@@ -162,8 +178,13 @@ struct MainloopFp8 {
           promote(tiles, state, g, partial, sum, sa, sb[0], sb[1]);
         }
       }
-      if constexpr (kBRowScales) release(pipe, state, warp_leader);
+      if constexpr (kBRowScales) {
+        release(pipe, state, warp_leader);
+        if (t.paired) release_other(pipe, other, warp_leader);
+      }
+      if (t.paired && consumer == 1) state = other;  // back to the k-block's first stage
       state.advance();
+      if (t.paired) state.advance();
     }
   }
 
@@ -217,6 +238,18 @@ struct MainloopFp8 {
     __threadfence_block();
     __syncwarp();
     if (warp_leader) mbarrier_arrive(&pipe.empty[state.stage]);
+  }
+
+  // A paired k-block's other stage, which this warpgroup does not read: released once it is
+  // seen filled. Its empty barrier's earlier phase is then complete (the producer filled it
+  // after that), so the arrival counts for this k-block's phase, not for a phase the other
+  // warpgroup may still be reading.
+  template <int kStages>
+  __device__ __forceinline__ static void release_other(Pipeline<kStages>& pipe,
+                                                       const PipelineState<kStages>& other,
+                                                       bool warp_leader) {
+    mbarrier_wait(&pipe.full[other.stage], other.phase);
+    if (warp_leader) mbarrier_arrive(&pipe.empty[other.stage]);
   }
 
  private:

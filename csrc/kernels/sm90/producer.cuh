@@ -39,17 +39,23 @@ struct Producer {
     PipelineState<kStages> state;
     scheduler.for_each_tile([&](const Tile& t) {
       a.begin_tile(t);
+      // A paired tile (Tile::paired) fills two stages per k-block, the same A rows with the
+      // B of each warpgroup's N-tile (the gathering producers never get one).
+      const int per_kb = kThreads == 1 && t.paired ? 2 : 1;
       for (int kb = 0; kb < t.k_blocks; ++kb) {
-        const int s = state.stage;
-        mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
-        if (tma_thread) {
-          mbarrier_arrive_expect_tx(&pipe.full[s], kTmaBytes);
-          a.load_tma(tiles, s, &pipe.full[s], t, kb);
-          b.load(tiles, s, &pipe.full[s], t, kb);
-          mainloop.load_extras(tiles, s, &pipe.full[s], t, kb);
+        for (int part = 0; part < per_kb; ++part) {
+          const Tile bt = t.for_consumer(part);
+          const int s = state.stage;
+          mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
+          if (tma_thread) {
+            mbarrier_arrive_expect_tx(&pipe.full[s], kTmaBytes);
+            a.load_tma(tiles, s, &pipe.full[s], t, kb);
+            b.load(tiles, s, &pipe.full[s], bt, kb);
+            mainloop.load_extras(tiles, s, &pipe.full[s], bt, kb);
+          }
+          a.load_async(tiles, s, &pipe.full[s], t, kb);
+          state.advance();
         }
-        a.load_async(tiles, s, &pipe.full[s], t, kb);
-        state.advance();
       }
     });
   }
