@@ -26,6 +26,11 @@
 #                  comma-separated NAME=1; default: the dispatch overlap, the epilogue combine,
 #                  both, the backward overlap); EP2_SETS_ONLY=1 skips the tests and the EP=1
 #                  and switches-off rows (a later call's sets)
+#   ep2tests       the EP tests of ep2 alone, with the transformers integration's EP check
+#                  and FP8 under the backward overlap
+#   trainep:EP:B:S megamoe-train-bench's config on every GPU of the machine (torchrun), FSDP2,
+#                  parallel.ep EP, backends B (comma-separated), S steps, record
+#                  $TRAIN_NAME-epEP (TRAIN_ARGS: extra arguments)
 #   profile        per-kernel times of both presets (saved mode)
 #   smoke          megamoe-train's embedded GPU default for 10 steps
 #   attn           PyTorch's attention backends on the trainer's attention (tools/attention_backends.py)
@@ -92,6 +97,15 @@ bench_ab() {  # bench_ab TAG LIB: the fused layer's benchmark with library LIB
 if [ -d "$repo/.train-rows" ]; then
   mkdir -p "$work/train/$train_name.rows" && cp "$repo"/.train-rows/*.json "$work/train/$train_name.rows/"
 fi
+ep2_tests() {  # the EP tests on two GPUs
+  local tr2=(python3 -m torch.distributed.run --nproc-per-node 2)
+  run ep2-cpp.log build/tests/cpp/megamoe_tests --gtest_filter='PeerExchange*:*EpLayerGpu*'
+  run ep2-check.log "${tr2[@]}" tests/python/ep_check.py --backend fused --graph
+  run ep2-check-fp8.log "${tr2[@]}" tests/python/ep_check.py --backend fused --precision fp8
+  run ep2-check-fp8-overlap.log env MEGAMOE_EP_OVERLAP_BACKWARD=1 "${tr2[@]}" \
+    tests/python/ep_check.py --backend fused --precision fp8
+  run ep2-hf-check.log "${tr2[@]}" tests/python/hf_ep_check.py --backend fused
+}
 for stage in "$@"; do
   case $stage in
     check)
@@ -135,9 +149,7 @@ for stage in "$@"; do
         ep2_bench=(-m megamoe.bench --ep 2 --model qwen3-30b-a3b --model qwen3-235b-a22b
                    --tokens 16384 --precision bf16,fp8 --out-dir "$work/results" --no-plot)
         if [ "${EP2_SETS_ONLY:-0}" != 1 ]; then
-          run ep2-cpp.log build/tests/cpp/megamoe_tests --gtest_filter='PeerExchange*:*EpLayerGpu*'
-          run ep2-check.log "${tr2[@]}" tests/python/ep_check.py --backend fused --graph
-          run ep2-check-fp8.log "${tr2[@]}" tests/python/ep_check.py --backend fused --precision fp8
+          ep2_tests
           run ep2-repeats.log "${tr2[@]}" tests/python/ep_check.py --backend fused --repeats 2000
           run ep2-bench-ep1.log python3 -m megamoe.bench --backends torch,fused \
             --model qwen3-30b-a3b --model qwen3-235b-a22b --tokens 16384 --precision bf16,fp8 \
@@ -153,6 +165,19 @@ for stage in "$@"; do
             --backends fused --name "h200x2-ep2-t16384-$tag"
         done
       fi ;;
+    ep2tests)
+      if [ "$gpus" -lt 2 ]; then
+        echo "ep2tests: needs two GPUs, $gpus here" >&2; status=1
+      else
+        ep2_tests
+      fi ;;
+    trainep:*)
+      IFS=: read -r _ ep backends steps <<<"$stage"
+      # shellcheck disable=SC2086
+      run "train-ep$ep-${backends//,/-}.log" python3 -m megamoe.train.bench bench-qwen3-30b-a3b \
+        --nproc-per-node "$gpus" --backends "$backends" --steps "$steps" --no-parts \
+        --name "$train_name-ep$ep" --out-dir "$work/train" --work-dir "$work/train-runs" \
+        --no-plot --parallel.ep "$ep" ${TRAIN_ARGS:-} ;;
     profile)
       for model in qwen3-30b-a3b qwen3-235b-a22b; do
         run "profile-$model.log" python3 tools/profile_layer.py --model "$model" --backward \

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", help="where the runs' logs go (default: "
                         "outputs/train-bench/NAME)")
     parser.add_argument("--no-parts", action="store_true", help="skip the parts' timing")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="GPUs (processes) of every run: above 1 each run is launched with "
+                             "torchrun --standalone --nproc-per-node N (set --parallel.ep for "
+                             "expert parallelism; rows then hold rank 0's figures)")
     parser.add_argument("--no-plot", action="store_true")
     return parser
 
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--parity-window: expected FIRST,LAST steps, got {args.parity_window!r}")
     if args.repeat < 1 or args.repeat_start < 1:
         parser.error("--repeat and --repeat-start must be >= 1")
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
     seeds = [None]
     if args.seeds is not None:
         try:
@@ -194,6 +200,10 @@ def run_one(args, overrides, backend: str, precision: str, repeat: int, work: Pa
         ("log.dir", json.dumps(str(log_dir))), ("checkpoint.interval", "0"),
         ("checkpoint.resume", '"none"')]
     cmd = [sys.executable, "-m", "megamoe.train", args.config]
+    if args.nproc_per_node > 1:
+        # --standalone: a fresh rendezvous on a free port for every run.
+        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={args.nproc_per_node}", "-m", "megamoe.train"]
     for key, value in settings:
         cmd += [f"--{key}", value]
     cmd += ["--summary-json", str(summary_path)]

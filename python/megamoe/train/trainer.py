@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-parts", action="store_true",
                         help="before training, time the step's parts in isolation (attention, "
                              "experts, router, LM head + loss) and add them to the summary")
-    parser.add_argument("--summary-json", help="also write the run summary to this file")
+    parser.add_argument("--summary-json", help="also write the run summary to this file (under "
+                        "torchrun: rank 0's summary, written by rank 0)")
     return parser
 
 
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"megamoe-train: config error: {error}", file=sys.stderr)
         return 2
-    if summary is not None and args.summary_json:
+    # Every rank returns its summary; one file has one writer.
+    if summary is not None and args.summary_json and int(os.environ.get("RANK", "0")) == 0:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0
