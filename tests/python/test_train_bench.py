@@ -174,3 +174,57 @@ def test_a_committed_record_gives_back_rows_that_merge_into_it(tmp_path):
     again = bench.merge(out, "a", (1, 2), "second")
     assert again["rows"][:2] == record["rows"][:2] and len(again["rows"]) == 3
     assert again["comparison"]["hf-bf16-seed0"]["mega_moe_speedup"] == pytest.approx(1.5)
+
+
+def test_against_compares_rows_with_another_records(tmp_path):
+    """--against: the EP=2 record's rows against the EP=1 record's of the same backend."""
+    one, two = tmp_path / "ep1", tmp_path / "ep2"
+    one.mkdir()
+    two.mkdir()
+    base = [5.0 - 0.01 * i for i in range(40)]
+    # One 10-step block 3% higher: the largest gap, and 0.75% over the 40 steps.
+    bumped = base[:20] + [v * 1.03 for v in base[20:30]] + base[30:]
+    (one / "mega_moe-bf16.json").write_text(json.dumps(_row("mega_moe", base, 100.0)))
+    (two / "mega_moe-bf16.json").write_text(json.dumps(_row("mega_moe", bumped, 98.0)))
+    (two / "torch-bf16.json").write_text(json.dumps(_row("torch", base[:25], 130.0)))
+    other = bench.merge(one, "ep1", (31, 40), "one")
+    record = bench.merge(two, "ep2", (31, 40), "two", against=other)
+    against = record["against"]
+    assert against["record"] == "ep1" and set(against["rows"]) == {"mega_moe-bf16"}
+    entry = against["rows"]["mega_moe-bf16"]
+    assert entry["step_time_ratio"] == pytest.approx(0.98)
+    assert entry["loss_rel_diff_window"] == pytest.approx(0.0)
+    assert entry["steps_compared"] == 40 and entry["bitwise_identical_steps"] == 20
+    assert entry["max_rel_gap_10_step_means"] == pytest.approx(0.03)
+    assert entry["max_gap_steps"] == [21, 30]
+    assert entry["loss_rel_diff_all_steps"] == pytest.approx(
+        0.03 * sum(base[20:30]) / sum(base))
+    table = bench.format_table(record)
+    assert "mega_moe-bf16 against ep1: step time 0.980x" in table and "+3.00% (steps 21-30)" in table
+
+
+def test_against_and_nproc_per_node_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["default-cpu", "--merge", "--against", str(tmp_path / "missing.json")])
+    assert "--against" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["default-cpu", "--nproc-per-node", "0"])
+    assert "--nproc-per-node: must be >= 1" in capsys.readouterr().err
+
+
+def test_nproc_per_node_launches_torchrun(tmp_path, monkeypatch):
+    seen = []
+
+    class Done(Exception):
+        pass
+
+    def popen(cmd, **kwargs):
+        seen.append(cmd)
+        raise Done
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    args = bench.build_parser().parse_args(["default-cpu", "--nproc-per-node", "2", "--no-parts"])
+    with pytest.raises(Done):
+        bench.run_one(args, [], "torch", "bf16", 1, tmp_path, "cmd")
+    assert seen[0][1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "-m"] and seen[0][6] == "megamoe.train"

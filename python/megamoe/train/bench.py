@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parity-window", default="200,300",
                         help="first,last step (inclusive) of the mean loss compared between "
                              "backends (default: 200,300)")
+    parser.add_argument("--against", metavar="RECORD",
+                        help="a saved record (.json) of the same config in another setting, "
+                             "e.g. the EP=1 run of an EP=2 record: each row is also compared "
+                             "with that record's row of the same backend, precision and seed "
+                             "(step time, loss over the window, the largest gap between their "
+                             "10-step mean losses)")
     parser.add_argument("--merge", action="store_true",
                         help="run nothing: rebuild the record from the rows saved for --name")
     parser.add_argument("--out-dir", default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
@@ -108,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.seeds!r}")
         if any(key == "train.seed" for key, _ in overrides):
             parser.error("--seeds and --train.seed: give the seeds in one of them")
+    against = None
+    if args.against:
+        try:
+            against = json.loads(Path(args.against).read_text())
+            assert isinstance(against.get("rows"), list)
+        except (OSError, ValueError, AssertionError, AttributeError):
+            parser.error(f"--against: {args.against!r} is not a readable megamoe-train-bench record")
     name = args.name or Path(args.config).stem
     out_dir = Path(args.out_dir)
     rows_dir = out_dir / f"{name}.rows"
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (f", {row['step_ms']:.1f} ms/step" if row.get("step_ms") else ""))
     else:
         failures = 0
-    record = merge(rows_dir, name, window, command)
+    record = merge(rows_dir, name, window, command, against)
     if record is None:
         print(f"megamoe-train-bench: no rows saved under {rows_dir}", file=sys.stderr)
         return 1
@@ -250,7 +263,8 @@ def row_from_summary(summary: dict) -> dict:
     return row
 
 
-def merge(rows_dir: Path, name: str, window: tuple[int, int], command: str) -> dict | None:
+def merge(rows_dir: Path, name: str, window: tuple[int, int], command: str,
+          against: dict | None = None) -> dict | None:
     if not rows_dir.is_dir():
         return None
     rows = [json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))]
@@ -264,6 +278,7 @@ def merge(rows_dir: Path, name: str, window: tuple[int, int], command: str) -> d
     record = {
         "name": name,
         "gpu": first.get("gpu"),
+        "world_size": first.get("world_size", 1),
         "commit": first.get("commit"),
         "command": command,
         "config": first.get("config"),
@@ -280,7 +295,45 @@ def merge(rows_dir: Path, name: str, window: tuple[int, int], command: str) -> d
         record["warning"] = f"rows come from different GPUs or commits: {sorted(mixed)}"
     record["comparison"] = compare(done, window)
     record["parity_over_runs"] = parity_over_runs(done, window)
+    if against is not None:
+        record["against"] = compare_records(done, against, window)
     return record
+
+
+def compare_records(rows: list[dict], other: dict, window: tuple[int, int]) -> dict:
+    """Each row against the other record's row of the same backend, precision, seed and
+    repeat: step-time ratio (this row's over the other's), the window's mean losses, the mean
+    over the steps both ran, and the largest relative gap between their 10-step means."""
+    theirs = {_row_key(r): r for r in other["rows"] if r.get("status") == "ok"}
+    result = {"record": other.get("name"), "commit": other.get("commit"),
+              "world_size": other.get("world_size", 1),
+              "ep": ((other.get("config") or {}).get("parallel") or {}).get("ep"), "rows": {}}
+    for row in rows:
+        key = _row_key(row)
+        base = theirs.get(key)
+        if base is None:
+            continue
+        entry = {}
+        if row["step_ms"] and base.get("step_ms"):
+            entry["step_time_ratio"] = row["step_ms"] / base["step_ms"]
+        mine, ref = _window_mean(row, window), _window_mean(base, window)
+        if mine is not None and ref is not None:
+            entry["loss_mean_window"], entry["other_loss_mean_window"] = mine, ref
+            entry["loss_rel_diff_window"] = (mine - ref) / ref
+        n = min(len(row["loss"]), len(base.get("loss") or []))
+        if n:
+            a, b = row["loss"][:n], base["loss"][:n]
+            entry["steps_compared"] = n
+            entry["loss_rel_diff_all_steps"] = (sum(a) - sum(b)) / sum(b)
+            gaps = [(sum(a[i:i + 10]) - sum(b[i:i + 10])) / sum(b[i:i + 10])
+                    for i in range(0, n - 9, 10)]
+            if gaps:
+                worst = max(range(len(gaps)), key=lambda i: abs(gaps[i]))
+                entry["max_rel_gap_10_step_means"] = gaps[worst]
+                entry["max_gap_steps"] = [10 * worst + 1, 10 * worst + 10]
+            entry["bitwise_identical_steps"] = _identical_prefix(a, b)
+        result["rows"][key] = entry
+    return result
 
 
 # A saved row carries its run's whole summary; the record keeps of it these fields per row
@@ -450,7 +503,9 @@ def format_table(record: dict) -> str:
         lines.append("  ".join(c.rjust(w) if i > 3 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths))))
     lines.insert(1, "-" * len(lines[0]))
-    notes = [f"{record.get('gpu')}, commit {str(record.get('commit'))[:12]}; step ms = median of "
+    world = record.get("world_size", 1)
+    gpus = f"{world} x {record.get('gpu')}" if world > 1 else record.get("gpu")
+    notes = [f"{gpus}, commit {str(record.get('commit'))[:12]}; step ms = median of "
              f"steps 6-20; 'mega_moe x' = this row's step time / mega_moe's; loss mean over "
              f"steps {window[0]}-{window[1]}; parts in ms per step (attn/experts/router x layers, "
              "with the recompute's forward under activation checkpointing)"]
@@ -481,6 +536,22 @@ def format_table(record: dict) -> str:
                          f"{100 * entry['rel_diff_by_seed_mean']:+.2f}%)")
         if "seed_spread" in entry:
             notes.append(f"{key}: its seeds' mean losses span {100 * entry['seed_spread']:.2f}%")
+    against = record.get("against")
+    for key, entry in (against or {}).get("rows", {}).items():
+        parts = []
+        if "step_time_ratio" in entry:
+            parts.append(f"step time {entry['step_time_ratio']:.3f}x")
+        if "loss_rel_diff_window" in entry:
+            parts.append(f"loss {100 * entry['loss_rel_diff_window']:+.2f}% over steps "
+                         f"{window[0]}-{window[1]}")
+        if "loss_rel_diff_all_steps" in entry:
+            parts.append(f"{100 * entry['loss_rel_diff_all_steps']:+.2f}% over steps "
+                         f"1-{entry['steps_compared']}")
+        if "max_rel_gap_10_step_means" in entry:
+            first, last = entry["max_gap_steps"]
+            parts.append(f"largest gap of 10-step means {100 * entry['max_rel_gap_10_step_means']:+.2f}% "
+                         f"(steps {first}-{last})")
+        notes.append(f"{key} against {against['record']}: " + (", ".join(parts) or "nothing in common"))
     return "\n".join(lines + notes)
 
 
