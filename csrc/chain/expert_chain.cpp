@@ -281,12 +281,12 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
 }
 
 void forward_l1(const Rows& rows, const Experts& w, const ForwardBuffers& b,
-                __nv_bfloat16* saved_h, cudaStream_t stream) {
+                __nv_bfloat16* saved_h, cudaStream_t stream, sm90::HRowShift h_shift) {
   if (w.fp8_forward()) throw_invalid("expert chain: forward_l1 is the bf16 forward's");
   sm90::m_grouped_gemm_nt_swiglu(
       over_rows(rows, gathered(rows, rows.x), w.w_gate_up, w.hidden, w.intermediate,
                 b.activation),
-      saved_h, stream);
+      saved_h, stream, h_shift);
 }
 
 void forward_l2(const Rows& rows, const Experts& w, const ForwardBuffers& b, cudaStream_t stream,

@@ -155,9 +155,10 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
 // The bf16 forward's two halves: L1 + SwiGLU into b.activation, and L2 from it, each over the
 // rows' plan only (activation rows outside it are neither written nor read). The
 // expert-parallel forward that overlaps its dispatch runs them on two plans over disjoint
-// rows of the same buffers, one before the peers' rows have arrived.
+// rows of the same buffers, one before the peers' rows have arrived; h_shift then puts each
+// plan's rows of saved_h where the default layout has them.
 void forward_l1(const Rows& rows, const Experts& w, const ForwardBuffers& b,
-                __nv_bfloat16* saved_h, cudaStream_t stream);
+                __nv_bfloat16* saved_h, cudaStream_t stream, sm90::HRowShift h_shift = {});
 void forward_l2(const Rows& rows, const Experts& w, const ForwardBuffers& b, cudaStream_t stream,
                 const sm90::PeerRowsOut* l2_to_peers = nullptr);
 

@@ -161,6 +161,12 @@ chain::Rows plan_rows(const Call& c, bool own, const __nv_bfloat16* x) {
   return r;
 }
 
+// Where L1 on either plan of the overlapped forward writes its rows of a saved h.
+sm90::HRowShift h_rows(const Call& c, bool own) {
+  if (own) return {c.w.own_h_shift, nullptr, nullptr};
+  return {c.w.peer_h_shift_lo, c.w.peer_h_shift_hi, c.w.peer_h_split};
+}
+
 // Copy SMs of the dispatch beside L1: num_comm_sms, or 16 by default (all of them would
 // leave L1 nothing until the copy ends), at most half the SMs.
 int overlap_copy_blocks(const Call& c) {
@@ -191,11 +197,12 @@ size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermed
 // overlap_dispatch): plan in the own-first layout; the own rows' metadata (no copy); then,
 // forked onto the side stream, the peers' rows and the dispatch phase, while L1 and L2 run
 // on the own rows from x; joined, L1 and L2 on the peers' rows. Nothing waits inside a
-// GEMM, so no SM is held by a spinning kernel beside the copies.
+// GEMM, so no SM is held by a spinning kernel beside the copies. A saved h is written in
+// the default layout (h_rows), where the backward reads it.
 Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat16* x,
                       const void* topk_ids, bool ids_are_int64, const float* topk_weights,
                       const chain::Experts& experts, int64_t T, bool to_peers,
-                      cudaStream_t stream) {
+                      __nv_bfloat16* saved_h, cudaStream_t stream) {
   preload_kernels();
   const Call c = begin_call(g, w, T);
   plan(c, topk_ids, ids_are_int64, stream, /*own_first=*/true);
@@ -213,7 +220,7 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
     if (!own) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
     const chain::Rows rows = plan_rows(c, own, x);
     if (rows.tokens == 0) continue;  // no x rows (T = 0): no own rows either
-    chain::forward_l1(rows, experts, w.forward, nullptr, stream);
+    chain::forward_l1(rows, experts, w.forward, saved_h, stream, h_rows(c, own));
     chain::forward_l2(rows, experts, w.forward, stream, to_peers ? &out : nullptr);
   }
   return c;
@@ -270,10 +277,9 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
                                           : "megamoe_ep_workspace_size");
   // The overlapped paths run the bf16 GEMMs: an FP8 forward takes the default one.
   const bool bf16 = !experts.fp8_forward();
-  // Saved h must sit in the default layout's rows, where the backward reads it.
-  if (bf16 && g.overlap_dispatch && saved_h == nullptr) {
+  if (bf16 && g.overlap_dispatch) {
     const Call c = overlapped_chain(g, w, x, topk_ids, ids_are_int64, topk_weights, experts, T,
-                                    g.epilogue_combine, stream);
+                                    g.epilogue_combine, saved_h, stream);
     if (g.epilogue_combine) {
       final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, stream);
     } else {

@@ -91,6 +91,10 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
       w.peer_expert_offsets = c.take<int32_t>(e_local + 1);
       w.peer_tile_offsets = c.take<int32_t>(e_local + 1);
       w.own_row_token = c.take<int32_t>(R);
+      w.own_h_shift = c.take<int32_t>(e_local);
+      w.peer_h_shift_lo = c.take<int32_t>(e_local);
+      w.peer_h_shift_hi = c.take<int32_t>(e_local);
+      w.peer_h_split = c.take<int32_t>(e_local);
     }
   } else {
     w.identity = c.take<int32_t>(R);

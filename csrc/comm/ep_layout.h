@@ -111,6 +111,12 @@ struct CallWorkspace {
   int32_t* peer_expert_offsets;
   int32_t* peer_tile_offsets;
   int32_t* own_row_token;
+  // [E/W] each: where L1 on either plan writes its rows of a saved h, in the default layout
+  // the backward reads h in (sm90::HRowShift; comm/ep_plan.cu computes them).
+  int32_t* own_h_shift;
+  int32_t* peer_h_shift_lo;
+  int32_t* peer_h_shift_hi;
+  int32_t* peer_h_split;
   // Backward: [R] 0, 1, ...: each received row is its own slot (its router weight is
   // recv_weight[row]); [R] d topk_weights of each received row; the chain's buffers.
   int32_t* identity;

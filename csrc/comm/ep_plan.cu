@@ -107,12 +107,21 @@ __global__ void __launch_bounds__(kPlanThreads)
 // order), so that the own rows form a plan of their own that L1 and L2 can run on before
 // any peer row has arrived. A row's results do not depend on where it sits, so y keeps its
 // bits. This rank's two plans: the own rows' (own_*) and the peers' (peer_*, whose expert
-// offsets start after the own rows; tiles numbered from 0 in each plan).
+// offsets start after the own rows; tiles numbered from 0 in each plan). A saved h stays in
+// the default layout, where the backward reads it: per local expert e, the own rows (source
+// this rank) sit after the rows of the lower sources there, and the peers' rows of sources
+// below this rank keep their order while those above it come after the own rows; so L1 on
+// the own plan shifts every row by one amount, and on the peers' plan by one amount below
+// the split (the first row of a source above this rank) and another from it on.
 struct OwnFirstPlans {
   int32_t* own_expert_offsets = nullptr;  // null: the default layout
   int32_t* own_tile_offsets = nullptr;
   int32_t* peer_expert_offsets = nullptr;
   int32_t* peer_tile_offsets = nullptr;
+  int32_t* own_h_shift = nullptr;  // [E/W] each, as sm90::HRowShift reads them
+  int32_t* peer_h_shift_lo = nullptr;
+  int32_t* peer_h_shift_hi = nullptr;
+  int32_t* peer_h_split = nullptr;
 };
 
 // 3. From the [W, E] counts of this exchange: this rank's receive offsets per local
@@ -202,6 +211,17 @@ __global__ void __launch_bounds__(1024)
       }
       own_first.peer_expert_offsets[experts_per_rank] = peer_rows;
       own_first.peer_tile_offsets[experts_per_rank] = peer_tiles;
+      for (int e = 0; e < experts_per_rank; ++e) {
+        int32_t below = 0;  // rows of expert e from the sources below this rank
+        for (int s = 0; s < peers.rank; ++s) below += counts[s * num_experts + first + e];
+        const int32_t own_n = counts[peers.rank * num_experts + first + e];
+        if (over_capacity) below = 0;
+        own_first.own_h_shift[e] = recv_expert_offsets[e] + below - own_first.own_expert_offsets[e];
+        const int32_t lo = recv_expert_offsets[e] - own_first.peer_expert_offsets[e];
+        own_first.peer_h_shift_lo[e] = lo;
+        own_first.peer_h_shift_hi[e] = lo + (over_capacity ? 0 : own_n);
+        own_first.peer_h_split[e] = own_first.peer_expert_offsets[e] + below;
+      }
     }
   }
 }
@@ -250,7 +270,9 @@ void plan(const Call& c, const void* topk_ids, bool ids_are_int64, cudaStream_t 
       peers, static_cast<int32_t>(E), static_cast<int32_t>(c.e_local), c.g.max_recv_rows,
       c.w.recv_expert_offsets, c.w.recv_tile_offsets, c.w.send_base, c.w.skip, c.error,
       own_first ? OwnFirstPlans{c.w.own_expert_offsets, c.w.own_tile_offsets,
-                                c.w.peer_expert_offsets, c.w.peer_tile_offsets}
+                                c.w.peer_expert_offsets, c.w.peer_tile_offsets,
+                                c.w.own_h_shift, c.w.peer_h_shift_lo, c.w.peer_h_shift_hi,
+                                c.w.peer_h_split}
                 : OwnFirstPlans{});
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }

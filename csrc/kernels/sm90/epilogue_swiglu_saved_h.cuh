@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/sm90/epilogue_swiglu.cuh"
+#include "kernels/sm90/gemm.h"
 #include "kernels/sm90/tensor_map.h"
 
 namespace megamoe::sm90 {
@@ -29,12 +30,13 @@ class SwiGLUSavedHEpilogue {
     CUtensorMap map_h;     // h in 64 x 64 boxes (when h is set)
     __nv_bfloat16* h;      // optional [rows, 2I]
     int32_t half_n;        // I
+    HRowShift shift;       // h's rows, where they are not C's
   };
-  // h: null, or [rows, 2 * half_n] bf16 with C's rows.
+  // h: null, or [rows, 2 * half_n] bf16 with C's rows (or C's moved by shift).
   static Params params(const typename Out::Params& out, __nv_bfloat16* h, int64_t rows,
-                       int64_t half_n) {
+                       int64_t half_n, HRowShift shift = {}) {
     return {out, h != nullptr ? make_tensor_map(h, rows, 2 * half_n, 64) : CUtensorMap{}, h,
-            static_cast<int32_t>(half_n)};
+            static_cast<int32_t>(half_n), shift};
   }
 
   using Buffers = typename Out::Buffers;
@@ -43,14 +45,24 @@ class SwiGLUSavedHEpilogue {
 
   __device__ __forceinline__ SwiGLUSavedHEpilogue(const Params& p, Buffers& buffers,
                                                   Barriers& barriers, int consumer)
-      : map_h_(p.map_h), h_(p.h), half_n_(p.half_n), out_(p.out, buffers, barriers, consumer) {}
+      : map_h_(p.map_h), h_(p.h), half_n_(p.half_n), shift_(p.shift),
+        out_(p.out, buffers, barriers, consumer) {}
 
   __device__ __forceinline__ void begin_tile(const Tile&) {}
 
   __device__ __forceinline__ void store(const Tile& t, const float (&acc)[kBlockN / 2]) {
     if (out_.full_slab(t)) {
       out_.store_staged(t, acc);
-      if (h_ != nullptr) store_h_staged(t, acc);
+      if (h_ != nullptr) {
+        // A slab whose rows move by two shifts (it straddles a split) takes the row stores.
+        const int row = t.row(out_.padded()) + out_.consumer() * 64;
+        const int shift = h_shift(t, row);
+        if (shift == h_shift(t, row + 63)) {
+          store_h_staged(t, acc, row + shift);
+        } else {
+          store_h_direct(t, acc);
+        }
+      }
     } else {
       out_.store_direct(t, acc);
       if (h_ != nullptr) store_h_direct(t, acc);
@@ -62,9 +74,19 @@ class SwiGLUSavedHEpilogue {
   // The gate half, then the up half, of the raw accumulators through the staging buffer
   // and TMA stores, as C goes and for the same reason: h is twice C's size, and the bulk
   // stores drain under the next tile's MMAs where register stores would stall the warps.
-  __device__ __forceinline__ void store_h_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
+  // Row r of the tile's expert in h: r moved by the shift that applies to it.
+  __device__ __forceinline__ int h_shift(const Tile& t, int r) const {
+    if (shift_.lo == nullptr) return 0;
+    if (shift_.split != nullptr && r >= __ldg(shift_.split + t.expert)) {
+      return __ldg(shift_.hi + t.expert);
+    }
+    return __ldg(shift_.lo + t.expert);
+  }
+
+  // row: the slab's first row of h.
+  __device__ __forceinline__ void store_h_staged(const Tile& t, const float (&acc)[kBlockN / 2],
+                                                 int row) {
     const int consumer = out_.consumer();
-    const int row = t.row(out_.padded()) + consumer * 64;
 #pragma unroll
     for (int part = 0; part < 2; ++part) {  // 0: gate columns, 1: up columns
       store_slab_staged<kHalf>(map_h_, out_.staging(), consumer,
@@ -86,7 +108,8 @@ class SwiGLUSavedHEpilogue {
         [&](int r, int c, float v0, float v1) {
           if (slab + r >= t.rows) return;
           const int col = c < kHalf ? t.n_tile * kHalf + c : half_n_ + t.n_tile * kHalf + c - kHalf;
-          *reinterpret_cast<__nv_bfloat162*>(h_ + int64_t(row0 + slab + r) * ld + col) =
+          const int row = row0 + slab + r;
+          *reinterpret_cast<__nv_bfloat162*>(h_ + int64_t(row + h_shift(t, row)) * ld + col) =
               __floats2bfloat162_rn(v0, v1);
         });
   }
@@ -94,6 +117,7 @@ class SwiGLUSavedHEpilogue {
   const CUtensorMap& map_h_;
   __nv_bfloat16* h_;
   int half_n_;
+  const HRowShift& shift_;  // in the kernel's parameters, as map_h_
   Out out_;
 };
 

@@ -105,11 +105,23 @@ void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& args, const PeerRowsOut&
 void m_grouped_gemm_nn(const MGroupedGemmArgs& args, cudaStream_t stream,
                        MnMajorStrides strides = {});
 
+// Where L1 writes h's rows when they are not C's: row r of expert e's tiles goes to row
+// r + (r < split[e] ? lo[e] : hi[e]) of h (device arrays over the plan's experts; split null:
+// lo for every row). The overlapped EP forward runs L1 on two plans, its own rows first,
+// while the backward reads h in the default layout (comm/ep_plan.cu says where each row
+// goes). lo null: h's rows are C's.
+struct HRowShift {
+  const int32_t* lo = nullptr;
+  const int32_t* hi = nullptr;
+  const int32_t* split = nullptr;
+};
+
 // L1: C[r, :n] = silu(A_r . gate_e) * (A_r . up_e), b = w_gate_up [E * 2n, k] (expert e's n
 // gate rows, then its n up rows; n = I, a multiple of 64). h, optional: also writes
-// h = [gate | up] ([c.rows, 2n], C's rows) for a backward that skips the L1 recompute.
+// h = [gate | up] ([c.rows, 2n]; C's rows, or as h_shift moves them) for a backward that
+// skips the L1 recompute.
 void m_grouped_gemm_nt_swiglu(const MGroupedGemmArgs& args, __nv_bfloat16* h,
-                              cudaStream_t stream);
+                              cudaStream_t stream, HRowShift h_shift = {});
 
 // The SwiGLU backward's operands besides the GEMM's (see m_grouped_gemm_nn_swiglu_backward).
 struct SwiGLUGradArgs {

@@ -10,7 +10,7 @@ namespace megamoe::sm90 {
     register_kernel_module(&grouped_gemm_kernel<MGroupedGemmNtSwiGLU<128, false>>);
 
 void m_grouped_gemm_nt_swiglu(const MGroupedGemmArgs& a, __nv_bfloat16* h,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, HRowShift h_shift) {
   const char* name = "m_grouped_gemm_nt_swiglu";
   if (a.n % 64 != 0 || a.n < 1) {
     throw_invalid(std::string(name) + ": I (n) must be a positive multiple of 64");
@@ -27,7 +27,7 @@ void m_grouped_gemm_nt_swiglu(const MGroupedGemmArgs& a, __nv_bfloat16* h,
     const auto out = SwiGLUEpilogue<kBlockN>::params(a.c.data, a.c.rows, a.c.ld,
                                                      a.c.layout == RowLayout::kPadded);
     launch_m_grouped<Gemm>(a, b, a.n / Epilogue::kOutCols,
-                           Epilogue::params(out, h, a.c.rows, a.n), stream);
+                           Epilogue::params(out, h, a.c.rows, a.n, h_shift), stream);
   });
 }
 
