@@ -54,18 +54,30 @@ class SwiGLUSavedHEpilogue {
     if (out_.full_slab(t)) {
       out_.store_staged(t, acc);
       if (h_ != nullptr) {
-        // A slab whose rows move by two shifts (it straddles a split) takes the row stores.
         const int row = t.row(out_.padded()) + out_.consumer() * 64;
-        const int shift = h_shift(t, row);
-        if (shift == h_shift(t, row + 63)) {
-          store_h_staged(t, acc, row + shift);
+        if (shift_.lo == nullptr) {
+          store_h_staged(t, acc, row);
         } else {
-          store_h_direct(t, acc);
+          // A slab whose rows move by two shifts (it straddles a split) takes the row stores.
+          const int shift = h_shift(t, row);
+          if (shift == h_shift(t, row + 63)) {
+            store_h_staged(t, acc, row + shift);
+          } else {
+            store_h_direct<true>(t, acc);
+          }
         }
       }
     } else {
       out_.store_direct(t, acc);
-      if (h_ != nullptr) store_h_direct(t, acc);
+      // Two copies of the row stores, so that the unshifted ones (every L1 but the
+      // overlapped EP forward's) keep their code as it was.
+      if (h_ != nullptr) {
+        if (shift_.lo == nullptr) {
+          store_h_direct<false>(t, acc);
+        } else {
+          store_h_direct<true>(t, acc);
+        }
+      }
     }
   }
   __device__ __forceinline__ void finish() { out_.finish(); }
@@ -76,7 +88,6 @@ class SwiGLUSavedHEpilogue {
   // stores drain under the next tile's MMAs where register stores would stall the warps.
   // Row r of the tile's expert in h: r moved by the shift that applies to it.
   __device__ __forceinline__ int h_shift(const Tile& t, int r) const {
-    if (shift_.lo == nullptr) return 0;
     if (shift_.split != nullptr && r >= __ldg(shift_.split + t.expert)) {
       return __ldg(shift_.hi + t.expert);
     }
@@ -99,6 +110,7 @@ class SwiGLUSavedHEpilogue {
 
   // A partial slab: masked register stores of the raw accumulators, read as kBlockN columns
   // whose first half are gate columns n0.. and second half up columns I + n0...
+  template <bool kShifted>
   __device__ __forceinline__ void store_h_direct(const Tile& t, const float (&acc)[kBlockN / 2]) {
     const int slab = out_.consumer() * 64;
     const int64_t ld = 2 * int64_t(half_n_);
@@ -108,8 +120,9 @@ class SwiGLUSavedHEpilogue {
         [&](int r, int c, float v0, float v1) {
           if (slab + r >= t.rows) return;
           const int col = c < kHalf ? t.n_tile * kHalf + c : half_n_ + t.n_tile * kHalf + c - kHalf;
-          const int row = row0 + slab + r;
-          *reinterpret_cast<__nv_bfloat162*>(h_ + int64_t(row + h_shift(t, row)) * ld + col) =
+          int row = row0 + slab + r;
+          if constexpr (kShifted) row += h_shift(t, row);
+          *reinterpret_cast<__nv_bfloat162*>(h_ + int64_t(row) * ld + col) =
               __floats2bfloat162_rn(v0, v1);
         });
   }
