@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kCopyThreads)
                         const __nv_bfloat16* __restrict__ rows,
                         const float* __restrict__ row_weights,  // null: 1
                         const float* __restrict__ dp_rows,      // null: forward
-                        const int32_t* __restrict__ skip) {
+                        const int32_t* __restrict__ skip, DispatchPart part) {
   if (*skip) return;
   const int world = peers.world_size, k = layout.topk, H = layout.hidden;
   const int lane = threadIdx.x % 32;
@@ -32,6 +32,9 @@ __global__ void __launch_bounds__(kCopyThreads)
   for (int64_t i = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; i < tokens; i += warps) {
     const int source = static_cast<int>(i / layout.max_tokens);
     if (i - int64_t(source) * layout.max_tokens >= count[source]) continue;
+    if (part != DispatchPart::kAll && (source == peers.rank) != (part == DispatchPart::kSelf)) {
+      continue;
+    }
     const int64_t t = at<int32_t>(own, layout.recv_token_source)[i];
     const int32_t my_row = lane < k ? at<int32_t>(own, layout.recv_slot_row)[i * k + lane] : -1;
     const float my_weight = my_row >= 0 && row_weights != nullptr ? row_weights[my_row] : 1.f;
@@ -211,9 +214,9 @@ void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
 }  // namespace
 
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
-                  const float* dp_rows, cudaStream_t stream, int blocks) {
+                  const float* dp_rows, cudaStream_t stream, int blocks, DispatchPart part) {
   combine_send_kernel<<<blocks > 0 ? blocks : c.copy_blocks, kCopyThreads, 0, stream>>>(
-      c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip);
+      c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip, part);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -193,12 +193,19 @@ size_t backward_workspace_bytes(const Group& g, int64_t tokens, int64_t intermed
   return c.bytes();
 }
 
-// The forward's steps 1-5 with the dispatch beside the own rows' chain (Group::
-// overlap_dispatch): plan in the own-first layout; the own rows' metadata (no copy); then,
-// forked onto the side stream, the peers' rows and the dispatch phase, while L1 and L2 run
-// on the own rows from x; joined, L1 and L2 on the peers' rows. Nothing waits inside a
-// GEMM, so no SM is held by a spinning kernel beside the copies. A saved h is written in
-// the default layout (h_rows), where the backward reads it.
+// The forward's steps 1-6 with the row traffic beside the own rows' GEMMs (Group::
+// overlap_dispatch): plan in the own-first layout; the own rows' metadata (no copy); then
+//   - forked onto the side stream, the peers' rows and the dispatch phase, while L1 runs on
+//     the own rows from x;
+//   - joined, L1 and L2 on the peers' rows;
+//   - forked again (unless to_peers: L2's epilogue sends those rows itself), the peers'
+//     partial sums sent back while L2 runs on the own rows, whose partial sums then go to
+//     this rank's own combine area; joined.
+// The GEMMs beside a copy are capped below the SMs (SmLimit) so that its blocks get SMs of
+// their own: a persistent GEMM's blocks that waited for an SM would finish their share of
+// tiles that much later. Nothing waits inside a GEMM, so no SM is held by a spinning kernel
+// beside the copies. A saved h is written in the default layout (h_rows), where the
+// backward reads it. The combine phase and the final combine are the caller's.
 Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat16* x,
                       const void* topk_ids, bool ids_are_int64, const float* topk_weights,
                       const chain::Experts& experts, int64_t T, bool to_peers,
@@ -208,20 +215,43 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   plan(c, topk_ids, ids_are_int64, stream, /*own_first=*/true);
   dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, stream, DispatchPart::kSelf);
   const SideStream& side = side_stream_for(c);
+  const int copy_blocks = overlap_copy_blocks(c);
+  const int gemm_sms = std::max(1, c.sms - copy_blocks / 2);
   MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
   MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
-  // Launched first, so that the copy blocks find SMs before L1 fills them.
   dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, side.stream,
-           DispatchPart::kPeers, overlap_copy_blocks(c));
+           DispatchPart::kPeers, copy_blocks);
   comm::phase_barrier(g.peers, comm::Phase::kDispatch, g.timeout_ns, c.error, side.stream);
   MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
   const sm90::PeerRowsOut out = to_peers ? l2_to_peers(c) : sm90::PeerRowsOut{};
-  for (const bool own : {true, false}) {
-    if (!own) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
-    const chain::Rows rows = plan_rows(c, own, x);
-    if (rows.tokens == 0) continue;  // no x rows (T = 0): no own rows either
-    chain::forward_l1(rows, experts, w.forward, saved_h, stream, h_rows(c, own));
-    chain::forward_l2(rows, experts, w.forward, stream, to_peers ? &out : nullptr);
+  const sm90::PeerRowsOut* l2_out = to_peers ? &out : nullptr;
+  const chain::Rows own = plan_rows(c, true, x);
+  const bool own_rows = own.tokens > 0;  // no x rows (T = 0): no own rows either
+  if (own_rows) {
+    const SmLimit cap(gemm_sms);
+    chain::forward_l1(own, experts, w.forward, saved_h, stream, h_rows(c, true));
+  }
+  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+  const chain::Rows peer = plan_rows(c, false, x);
+  if (peer.tokens > 0) {
+    chain::forward_l1(peer, experts, w.forward, saved_h, stream, h_rows(c, false));
+    chain::forward_l2(peer, experts, w.forward, stream, l2_out);
+  }
+  const float* row_weights = at<const float>(c.own(), c.buffer.recv_weight);
+  if (!to_peers) {
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+    combine_send(c, w.forward.out, row_weights, nullptr, side.stream, copy_blocks,
+                 DispatchPart::kPeers);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+  }
+  if (own_rows) {
+    const SmLimit cap(to_peers ? c.sms : gemm_sms);
+    chain::forward_l2(own, experts, w.forward, stream, l2_out);
+  }
+  if (!to_peers) {
+    combine_send(c, w.forward.out, row_weights, nullptr, stream, 0, DispatchPart::kSelf);
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
   }
   return c;
 }
@@ -282,9 +312,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
                                     g.epilogue_combine, saved_h, stream);
     if (g.epilogue_combine) {
       final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, stream);
-    } else {
-      combine_send(c, w.forward.out, at<const float>(c.own(), c.buffer.recv_weight), nullptr,
-                   stream);
+    } else {  // the partial sums are sent
       combine_phase(c, stream);
       final_combine(c, y, nullptr, stream);
     }
