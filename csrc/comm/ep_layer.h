@@ -26,10 +26,11 @@
 // each result row into its slot in the source's buffer and counts it there; the source
 // waits per slot and reduces each token in the order of 6-7 (the same bits), with no combine
 // send and no combine phase (docs/expert-parallel.md, "Forward overlap").
-// With Group::overlap_dispatch (and no saved h) the forward lays every owner's own rows out
-// first: L1 and L2 run on them straight from x (never copied) while the peers' rows are
-// dispatched on a second stream, then on the peers' rows (the same bits: a row's results do
-// not depend on where it sits).
+// With Group::overlap_dispatch the forward lays every owner's own rows out first: L1 runs
+// on them straight from x (never copied) while the peers' rows are dispatched on a second
+// stream; then L1 and L2 on the peers' rows; then L2 on the own rows while the peers'
+// partial sums go back on the second stream (the same bits: a row's results do not depend
+// on where it sits). A saved h is written in the default layout.
 // Steps 1-3 are ep_plan.cu, 4 ep_dispatch.cu, 6-7 ep_combine.cu, around the layout of
 // ep_layout.h; ep_layer.cpp runs them. Weight gradients stay on the owner and d
 // topk_weights is per slot: both are bitwise equal to the one-GPU layer's (an expert's rows
