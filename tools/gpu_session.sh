@@ -97,8 +97,8 @@ bench_ab() {  # bench_ab TAG LIB: the fused layer's benchmark with library LIB
 if [ -d "$repo/.train-rows" ]; then
   mkdir -p "$work/train/$train_name.rows" && cp "$repo"/.train-rows/*.json "$work/train/$train_name.rows/"
 fi
+tr2=(python3 -m torch.distributed.run --nproc-per-node 2)
 ep2_tests() {  # the EP tests on two GPUs
-  local tr2=(python3 -m torch.distributed.run --nproc-per-node 2)
   run ep2-cpp.log build/tests/cpp/megamoe_tests --gtest_filter='PeerExchange*:*EpLayerGpu*'
   run ep2-check.log "${tr2[@]}" tests/python/ep_check.py --backend fused --graph
   run ep2-check-fp8.log "${tr2[@]}" tests/python/ep_check.py --backend fused --precision fp8
@@ -145,7 +145,6 @@ for stage in "$@"; do
         echo "ep2: needs two GPUs, $gpus here" >&2; status=1
       else
         mkdir -p "$work/results"
-        tr2=(python3 -m torch.distributed.run --nproc-per-node 2)
         ep2_bench=(-m megamoe.bench --ep 2 --model qwen3-30b-a3b --model qwen3-235b-a22b
                    --tokens 16384 --precision bf16,fp8 --out-dir "$work/results" --no-plot)
         if [ "${EP2_SETS_ONLY:-0}" != 1 ]; then

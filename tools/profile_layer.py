@@ -111,7 +111,8 @@ def short_name(name: str) -> str:
         grouping = re.search(r"\(Grouping\)(\d)", name)
         mainloop = re.search(r"(Mainloop\w+)<", name)
         loader = re.search(r"(A(?:Tma|Gathered\w*))<", name)
-        epilogues = re.findall(r"(\w+Epilogue)<", name)
+        # An epilogue's type appears again in its Params: each name once, in order.
+        epilogues = list(dict.fromkeys(re.findall(r"(\w+Epilogue)<", name)))
         width = re.search(r"Epilogue<(\d+)", name)
         parts = ["grouped_gemm", "M" if grouping and grouping.group(1) == "0" else "K",
                  mainloop.group(1) if mainloop else "?", loader.group(1) if loader else "?",

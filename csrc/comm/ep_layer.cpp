@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -246,7 +247,8 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
     MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
   }
   if (own_rows) {
-    const SmLimit cap(to_peers ? c.sms : gemm_sms);
+    std::optional<SmLimit> cap;  // beside the send only
+    if (!to_peers) cap.emplace(gemm_sms);
     chain::forward_l2(own, experts, w.forward, stream, l2_out);
   }
   if (!to_peers) {

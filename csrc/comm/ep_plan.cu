@@ -212,14 +212,14 @@ __global__ void __launch_bounds__(1024)
       own_first.peer_expert_offsets[experts_per_rank] = peer_rows;
       own_first.peer_tile_offsets[experts_per_rank] = peer_tiles;
       for (int e = 0; e < experts_per_rank; ++e) {
+        // Unread when the call is skipped (over capacity): no plan then has a row.
         int32_t below = 0;  // rows of expert e from the sources below this rank
         for (int s = 0; s < peers.rank; ++s) below += counts[s * num_experts + first + e];
         const int32_t own_n = counts[peers.rank * num_experts + first + e];
-        if (over_capacity) below = 0;
         own_first.own_h_shift[e] = recv_expert_offsets[e] + below - own_first.own_expert_offsets[e];
         const int32_t lo = recv_expert_offsets[e] - own_first.peer_expert_offsets[e];
         own_first.peer_h_shift_lo[e] = lo;
-        own_first.peer_h_shift_hi[e] = lo + (over_capacity ? 0 : own_n);
+        own_first.peer_h_shift_hi[e] = lo + own_n;
         own_first.peer_h_split[e] = own_first.peer_expert_offsets[e] + below;
       }
     }

@@ -40,3 +40,11 @@ def test_other_kernels_lose_only_their_namespaces():
         "quantize_fp8_kernel<(Fp8Blocks)0, true, false>(Fp8QuantizeArgs, long, long)")
     cublas = "ampere_bf16_s16816gemm_bf16_128x128"
     assert short_name(cublas) == cublas
+
+
+def test_an_epilogue_named_again_in_its_params_is_named_once():
+    epilogue = f"{NS}SwiGLUSavedHEpilogue<256, {NS}StoreEpilogue<256>>"
+    name = _gemm(0, "MainloopBf16<256>", "AGathered", epilogue).replace(
+        f"{NS}GroupedGemm<...>::Params", f"{NS}GroupedGemm<{epilogue}>::Params")
+    assert short_name(name) == (
+        "grouped_gemm M MainloopBf16 AGathered SwiGLUSavedHEpilogue/StoreEpilogue<256>")
