@@ -104,6 +104,8 @@ ep2_tests() {  # the EP tests on two GPUs
   run ep2-check-fp8.log "${tr2[@]}" tests/python/ep_check.py --backend fused --precision fp8
   run ep2-check-fp8-overlap.log env MEGAMOE_EP_OVERLAP_BACKWARD=1 "${tr2[@]}" \
     tests/python/ep_check.py --backend fused --precision fp8
+  run ep2-check-overlap.log env MEGAMOE_EP_OVERLAP_DISPATCH=1 MEGAMOE_EP_OVERLAP_BACKWARD=1 \
+    "${tr2[@]}" tests/python/ep_check.py --backend fused
   run ep2-hf-check.log "${tr2[@]}" tests/python/hf_ep_check.py --backend fused
 }
 for stage in "$@"; do
@@ -157,7 +159,8 @@ for stage in "$@"; do
             --name h200x2-ep2-t16384
         fi
         for set in ${EP2_SWITCHES:-MEGAMOE_EP_OVERLAP_DISPATCH=1 MEGAMOE_EP_EPILOGUE_COMBINE=1 \
-            MEGAMOE_EP_OVERLAP_DISPATCH=1,MEGAMOE_EP_EPILOGUE_COMBINE=1 MEGAMOE_EP_OVERLAP_BACKWARD=1}; do
+            MEGAMOE_EP_OVERLAP_DISPATCH=1,MEGAMOE_EP_EPILOGUE_COMBINE=1 MEGAMOE_EP_OVERLAP_BACKWARD=1 \
+            MEGAMOE_EP_OVERLAP_DISPATCH=1,MEGAMOE_EP_OVERLAP_BACKWARD=1}; do
           IFS=, read -ra switches <<<"$set"
           tag=$(echo "$set" | sed -e 's/MEGAMOE_EP_//g' -e 's/=1//g' -e 's/,/-and-/g' | tr 'A-Z_' 'a-z-')
           run "ep2-bench-$tag.log" env "${switches[@]}" "${tr2[@]}" "${ep2_bench[@]}" \

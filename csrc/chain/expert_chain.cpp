@@ -304,7 +304,7 @@ void forward_l2(const Rows& rows, const Experts& w, const ForwardBuffers& b, cud
 
 BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t tokens,
                                int64_t num_experts, int64_t H, int64_t I, bool h_saved,
-                               Precision precision) {
+                               Precision precision, bool separate_dx_rows) {
   BackwardBuffers b{};
   b.padded_rows = padded_rows_bound(rows, num_experts);
   const bool fp8 = precision != Precision::kBf16;
@@ -325,6 +325,7 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
   } else {
     b.token_rows = carver.take<__nv_bfloat16>(b.padded_rows * H);
   }
+  b.dx_rows = separate_dx_rows ? carver.take<__nv_bfloat16>(rows * H) : b.token_rows;
   return b;
 }
 
@@ -332,7 +333,8 @@ namespace {
 
 // The FP8 dgrads: z = dy W_down^T's product with dy quantized (into the sorted rows, or
 // gathered) -> dh, a and the dp partials; then dx rows = dh W_gate_up with dh quantized
-// (into token_rows, after the L2 GEMM has read dy's copy there). With dh_columns, dh's
+// (into dx_rows, token_rows' bytes unless carved apart, after the L2 GEMM has read dy's
+// copy there). With dh_columns, dh's
 // token-contiguous copy for dW_gate_up goes into b.lhs_fp8 from the same read of dh as its
 // rows (unless fp8_unfused_quantization()); returns whether it did.
 bool backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
@@ -355,7 +357,7 @@ bool backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16*
   const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,
                               b.dh_fp8.scales, b.dh_fp8.scale_ld};
   sm90::MGroupedFp8GemmArgs l1 = over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),
-                                               2 * I, H, b.token_rows);
+                                               2 * I, H, b.dx_rows);
   l1.groups.rows = b.padded_rows;
   sm90::m_grouped_fp8_gemm_nt(l1, stream);
   return fused;
@@ -396,7 +398,7 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
   if (!dx_rows) return {};
   // dx rows = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H), in row order.
   const sm90::MGroupedA dh{b.dh, b.padded_rows, RowLayout::kPadded, nullptr};
-  sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H, b.token_rows);
+  sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H, b.dx_rows);
   l1_dgrad.groups.rows = b.padded_rows;  // A's padded rows, from which the grid is sized
   sm90::m_grouped_gemm_nn(l1_dgrad, stream);
   return {};

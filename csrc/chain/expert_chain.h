@@ -175,6 +175,10 @@ struct BackwardBuffers {
   // and the x rows of dW_gate_up (bf16: in this order; FP8: x's, then p dy's, and only
   // with MEGAMOE_FP8_UNFUSED_COLS, which is read per call, so the padded size stays).
   __nv_bfloat16* token_rows;
+  // [rows, H] where the dgrad of L1 writes the dx rows: token_rows, or a buffer of their
+  // own (carve_backward's separate_dx_rows), so that the bf16 weight gradients, which
+  // gather into token_rows, can run while a reader of the dx rows still runs beside them.
+  __nv_bfloat16* dx_rows;
   int64_t padded_rows;
   int64_t dp_parts;         // partials of dp per row: one per N-tile of I
   // FP8 backward: x (for an FP8 recompute) and dy in the sorted rows (MEGAMOE_FP8_GATHER_A:
@@ -186,9 +190,11 @@ struct BackwardBuffers {
   Fp8Rows dy_fp8, x_fp8, dh_fp8;
   Fp8Columns lhs_fp8, rhs_fp8;
 };
+// separate_dx_rows: dx_rows gets [rows, H] of its own instead of token_rows' bytes.
 BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t tokens,
                                int64_t num_experts, int64_t H, int64_t I, bool h_saved,
-                               Precision precision = Precision::kBf16);
+                               Precision precision = Precision::kBf16,
+                               bool separate_dx_rows = false);
 
 // What backward_dgrad did of backward_wgrad's work, for the backward_wgrad of the same call.
 struct DgradDone {
@@ -198,8 +204,8 @@ struct DgradDone {
 };
 
 // L1 recompute (unless saved_h, the forward's h for the same rows), dgrad of L2 with the
-// SwiGLU backward, and, when dx_rows, dgrad of L1 into b.token_rows. Afterwards, in stream
-// order, b.dp_partial holds each row's dp partials and b.token_rows its dx row.
+// SwiGLU backward, and, when dx_rows, dgrad of L1 into b.dx_rows. Afterwards, in stream
+// order, b.dp_partial holds each row's dp partials and b.dx_rows its dx row.
 // d_w_gate_up_wanted: the caller's backward_wgrad will compute dW_gate_up, so that an FP8
 // dgrad may quantize dh for it along with dh's rows (unless MEGAMOE_FP8_UNFUSED_QUANT);
 // pass the result on to backward_wgrad.
@@ -209,7 +215,8 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
 
 // The weight gradients dW_down = (p dy)^T a and dW_gate_up = dh^T x ([E, H, I] and
 // [E, 2I, H]; zeros, or nothing added, for experts without rows). Overwrites b.token_rows
-// where wgrad_writes_token_rows(w) says so: launch it after whatever reads the dx rows then.
+// where wgrad_writes_token_rows(w) says so: launch it after whatever reads the dx rows then,
+// unless they are apart (b.dx_rows != b.token_rows).
 // `done`: what this call's backward_dgrad returned (nothing between them may write
 // b.lhs_fp8).
 void backward_wgrad(const Rows& rows, const Experts& w, const BackwardBuffers& b,

@@ -376,7 +376,10 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   const chain::DgradDone done = chain::backward_dgrad(rows, experts, saved_h, b, true, stream,
                                                       /*d_w_gate_up_wanted=*/true);
   reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
-  if (g.overlap_backward && !chain::wgrad_writes_token_rows(experts)) {
+  // The dx rows are apart from what the weight gradients write when carved so (bf16) or
+  // when those read the token matrices in place (FP8, unless a diagnostic switch says not).
+  const bool apart = b.dx_rows != b.token_rows || !chain::wgrad_writes_token_rows(experts);
+  if (g.overlap_backward && apart) {
     // The dx send on the side stream's copy blocks, launched first so that they find their
     // SMs; the weight gradients beside it on the others (SmLimit). Neither writes what the
     // other reads, and each output's bits are as in the default order.
@@ -384,7 +387,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     const int copy_blocks = overlap_copy_blocks(c);
     MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
     MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
-    combine_send(c, b.token_rows, nullptr, w.dp_rows, side.stream, copy_blocks);
+    combine_send(c, b.dx_rows, nullptr, w.dp_rows, side.stream, copy_blocks);
     MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
     {
       const SmLimit cap(std::max(1, c.sms - copy_blocks / 2));
@@ -392,7 +395,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     }
     MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
   } else {
-    combine_send(c, b.token_rows, nullptr, w.dp_rows, stream);
+    combine_send(c, b.dx_rows, nullptr, w.dp_rows, stream);
     // The weight gradients stay here: they run while the peers finish.
     chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
   }

@@ -99,8 +99,12 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
   } else {
     w.identity = c.take<int32_t>(R);
     w.dp_rows = c.take<float>(R);
+    // The bf16 weight gradients gather into token_rows: the overlapped backward keeps the
+    // dx rows apart, so that their send can run beside them (R x H bf16 more).
+    const bool separate_dx_rows = g.overlap_backward && precision == chain::Precision::kBf16;
     w.backward = chain::carve_backward(c, R, received_tokens, e_local, g.hidden, I,
-                                       pass == Pass::kBackwardSavedH, precision);
+                                       pass == Pass::kBackwardSavedH, precision,
+                                       separate_dx_rows);
   }
   if (fp8_rows) w.fp8_slot_row = c.take<int32_t>(received_tokens * g.topk);
   if (pass == Pass::kForward && precision == chain::Precision::kFp8 && !g.fp8_bf16_dispatch) {

@@ -37,9 +37,11 @@ struct Group {
   bool overlap_dispatch = false;
   // The backward sends the dx rows back on a side stream while the weight gradients run on
   // the caller's, their grids capped to leave the copy blocks their SMs
-  // (docs/expert-parallel.md, "Backward overlap"); where the weight gradients do not write
-  // the buffer the send reads (chain::wgrad_writes_token_rows: the FP8 backward), else the
-  // default order. A rank's own scheduling: the ranks need not agree.
+  // (docs/expert-parallel.md, "Backward overlap"). The bf16 backward then keeps the dx rows
+  // in a buffer of their own (the bf16 weight gradients gather into token_rows), which the
+  // workspace size counts; the FP8 one reads the token matrices in place (unless the
+  // diagnostic MEGAMOE_FP8_UNFUSED_COLS: then the default order). A rank's own scheduling:
+  // the ranks need not agree.
   bool overlap_backward = false;
   // The FP8 forward dispatches bf16 x rows and each owner quantizes the tokens it received,
   // instead of each rank quantizing its x once and dispatching e4m3 rows with their scales

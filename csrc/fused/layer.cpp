@@ -166,7 +166,7 @@ void backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const void* topk_
                                                       out.dx != nullptr, stream,
                                                       out.d_w_gate_up.wanted());
   if (out.dx != nullptr) {
-    combine_rows(b.token_rows, H, plan.slot_row, nullptr, false, T, k, out.dx, stream);
+    combine_rows(b.dx_rows, H, plan.slot_row, nullptr, false, T, k, out.dx, stream);
   }
   if (out.d_topk_weights != nullptr) {
     reduce_slot_partials(b.dp_partial, b.dp_parts, plan.slot_row, T * k, out.d_topk_weights,

@@ -297,7 +297,8 @@ typedef struct megamoe_ep_group {
   int64_t max_recv_rows;        /* (token, expert) rows one rank can receive per call */
   int64_t timeout_ns;           /* how long a rank waits for a peer before failing */
   int32_t num_comm_sms;         /* SMs of the kernels that move rows between ranks; 0: all
-                                   (this version does not overlap them with the GEMMs) */
+                                   (16 where they run beside a GEMM: the overlap switches
+                                   below) */
 } megamoe_ep_group;
 
 /* Bytes of each rank's buffer (the buffers may be NULL for this query). */
@@ -343,7 +344,12 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
  * into (fp32 gradient accumulation); all four required. saved_h: NULL to recompute L1 on
  * the experts' ranks, or the forward's saved_h. d_topk_weights and the weight gradients
  * are bitwise equal to megamoe_fused_backward of the same global problem on one GPU; dx
- * differs by the owners' bf16 partial sums, as y does. */
+ * differs by the owners' bf16 partial sums, as y does. MEGAMOE_EP_OVERLAP_BACKWARD=1 in the
+ * environment (read when a group is used; ranks may differ) sends the dx rows back on a
+ * second stream while the weight gradients run on the other SMs: the same bits, and
+ * max_recv_rows x hidden bf16 more workspace (megamoe_ep_backward_workspace_size counts
+ * it), where the dx rows wait apart from the weight gradients' operands. The second stream
+ * is made at a rank's first such call, which must not be under CUDA graph capture. */
 MEGAMOE_API megamoe_status megamoe_ep_backward(
     const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
     const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,
@@ -368,10 +374,8 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
  * MEGAMOE_EP_OVERLAP_DISPATCH say. MEGAMOE_EP_FP8_BF16_DISPATCH=1 in the environment (read
  * when a group is used, the same on every rank) makes the forward move bf16 rows and the
  * owners quantize them, for an A/B: the same bits, a smaller workspace.
- * MEGAMOE_EP_OVERLAP_BACKWARD=1 (read when a group is used; ranks may differ) makes the FP8
- * backward send its dx rows back on a second stream while the weight gradients run on the
- * other SMs: the same bits. The second stream is made at a rank's first such call, which
- * must not be under CUDA graph capture. */
+ * MEGAMOE_EP_OVERLAP_BACKWARD=1 works as in megamoe_ep_backward, with no more workspace
+ * (the FP8 weight gradients read the token matrices in place). */
 MEGAMOE_API megamoe_status megamoe_ep_fp8_workspace_size(const megamoe_ep_group* group,
                                                          int64_t tokens, int64_t intermediate,
                                                          size_t* bytes);

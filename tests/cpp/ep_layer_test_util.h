@@ -48,7 +48,9 @@ constexpr int64_t kLongTimeoutNs = 10'000'000'000;
 enum class Routing { kRandom, kAllOnLastRank };
 
 // The EP forward's paths, by their Group switches (docs/expert-parallel.md, "Forward
-// overlap"); every one must give the default path's bits.
+// overlap"); every one must give the default path's bits. The overlapped ones also send the
+// backward's dx rows beside its weight gradients (Group::overlap_backward), as a user who
+// turns on both switches runs them.
 enum EpPath { kDefault = 0, kEpilogueCombine = 1, kOverlapDispatch = 2, kOverlapAndEpilogue = 3 };
 inline const char* const kEpPathNames[] = {"Default", "EpilogueCombine", "OverlapDispatch",
                                            "Overlap_EpilogueCombine"};
@@ -301,6 +303,7 @@ class EpLayerTest : public RanksTest {
     g.comm_sms = 0;
     g.epilogue_combine = epilogue_combine;
     g.overlap_dispatch = overlap_dispatch;
+    g.overlap_backward = false;   // the references' backward on the default path
     g.fp8_bf16_dispatch = false;  // the FP8 forward's default (quantized) dispatch
     g.peers.buffers[0] = static_cast<char*>(alloc_on(0, ep_buffer_bytes(g)));
     const auto bf16 = [](void* p) { return static_cast<__nv_bfloat16*>(p); };
@@ -535,6 +538,7 @@ class EpLayerTest : public RanksTest {
   void use_path(int path) {
     epilogue_combine_ = (path & kEpilogueCombine) != 0;
     overlap_dispatch_ = (path & kOverlapDispatch) != 0;
+    overlap_backward_ = overlap_dispatch_;
   }
   bool epilogue_combine_ = false;
   bool overlap_dispatch_ = false;

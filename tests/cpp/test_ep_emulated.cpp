@@ -7,8 +7,9 @@
 // Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"), whose y
 // must have the same bits: the default one (.../EP2, .../EP8); the epilogue combine, where
 // L2's epilogue stores each row into its source's slot and the source reduces there
-// (..._EpilogueCombine); the dispatch beside L1 and L2 on the own rows, read from x in place
-// (..._OverlapDispatch); and both (..._Overlap_EpilogueCombine).
+// (..._EpilogueCombine); the dispatch beside L1 and L2 on the own rows, read from x in place,
+// with the backward's dx send beside its weight gradients (..._OverlapDispatch); and both
+// (..._Overlap_EpilogueCombine).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 

@@ -5,8 +5,8 @@
 // token on one rank, k = 1, -1 ids, 128-wide L2 tiles, repeated calls on the same buffers
 // (bitwise equal), a limited number of copy SMs, and the capacity error. Every case runs on
 // each forward path (.../Default, the epilogue combine, where L2's epilogue stores rows into
-// their sources' slots over NVLink, the dispatch beside the own rows' chain, and both): the
-// same bits. test_ep_emulated.cpp runs the same cases on ranks emulated on one GPU.
+// their sources' slots over NVLink, the dispatch beside the own rows' chain with the
+// backward's dx send beside its weight gradients, and both): the same bits. test_ep_emulated.cpp runs the same cases on ranks emulated on one GPU.
 #include <gtest/gtest.h>
 
 #include <string>

@@ -120,47 +120,57 @@ TEST(EpLayout, CallWorkspaceOfEveryPass) {
     for (const int64_t T : {int64_t{0}, s.max_tokens / 2 + 1, s.max_tokens}) {
       if (T > s.max_tokens) continue;
       for (const int64_t I : {int64_t{128}, int64_t{1536}}) {
-        SCOPED_TRACE(name_of(s) + " tokens=" + std::to_string(T) + " I=" + std::to_string(I));
-        const megamoe::ep::Group g = group_of(s);
-        const int64_t W = s.world, e_local = s.E / W, R = s.R;
-        for (const Pass pass : {Pass::kForward, Pass::kBackward, Pass::kBackwardSavedH}) {
-          WorkspaceCarver counting;
-          megamoe::ep::carve_call(counting, g, T, I, pass);
-          WorkspaceCarver c(kFakeBase, counting.bytes());
-          const megamoe::ep::CallWorkspace w = megamoe::ep::carve_call(c, g, T, I, pass);
-          EXPECT_EQ(c.bytes(), counting.bytes());
-          const size_t reported =
-              pass == Pass::kForward
-                  ? megamoe::ep::forward_workspace_bytes(g, T, I)
-                  : megamoe::ep::backward_workspace_bytes(g, T, I, pass == Pass::kBackwardSavedH);
-          EXPECT_EQ(reported, c.bytes());
+        // The backward overlap keeps the bf16 dx rows in a buffer of their own.
+        for (const bool overlap_backward : {false, true}) {
+          SCOPED_TRACE(name_of(s) + " tokens=" + std::to_string(T) + " I=" + std::to_string(I) +
+                       (overlap_backward ? " overlap_backward" : ""));
+          megamoe::ep::Group g = group_of(s);
+          g.overlap_backward = overlap_backward;
+          const int64_t W = s.world, e_local = s.E / W, R = s.R;
+          for (const Pass pass : {Pass::kForward, Pass::kBackward, Pass::kBackwardSavedH}) {
+            WorkspaceCarver counting;
+            megamoe::ep::carve_call(counting, g, T, I, pass);
+            WorkspaceCarver c(kFakeBase, counting.bytes());
+            const megamoe::ep::CallWorkspace w = megamoe::ep::carve_call(c, g, T, I, pass);
+            EXPECT_EQ(c.bytes(), counting.bytes());
+            const size_t reported =
+                pass == Pass::kForward
+                    ? megamoe::ep::forward_workspace_bytes(g, T, I)
+                    : megamoe::ep::backward_workspace_bytes(g, T, I, pass == Pass::kBackwardSavedH);
+            EXPECT_EQ(reported, c.bytes());
 
-          Pieces pieces(kFakeBase, c.bytes());
-          add_plan_pieces(pieces, w, s, T);
-          EXPECT_EQ(w.fp8_slot_row, nullptr);
-          EXPECT_FALSE(w.fp8_dispatch);
-          if (pass == Pass::kForward) {
-            pieces.add("activation", w.forward.activation, R * I * 2);
-            pieces.add("out", w.forward.out, R * s.H * 2);
-            EXPECT_EQ(w.identity, nullptr);
-            EXPECT_EQ(w.backward.dh, nullptr);
-          } else {
-            const int64_t P = megamoe::padded_rows_bound(R, e_local);
-            EXPECT_EQ(w.backward.padded_rows, P);
-            pieces.add("identity", w.identity, R * 4);
-            pieces.add("dp_rows", w.dp_rows, R * 4);
-            if (pass == Pass::kBackward) {
-              pieces.add("h", w.backward.h, R * 2 * I * 2);
+            Pieces pieces(kFakeBase, c.bytes());
+            add_plan_pieces(pieces, w, s, T);
+            EXPECT_EQ(w.fp8_slot_row, nullptr);
+            EXPECT_FALSE(w.fp8_dispatch);
+            if (pass == Pass::kForward) {
+              pieces.add("activation", w.forward.activation, R * I * 2);
+              pieces.add("out", w.forward.out, R * s.H * 2);
+              EXPECT_EQ(w.identity, nullptr);
+              EXPECT_EQ(w.backward.dh, nullptr);
             } else {
-              EXPECT_EQ(w.backward.h, nullptr);
+              const int64_t P = megamoe::padded_rows_bound(R, e_local);
+              EXPECT_EQ(w.backward.padded_rows, P);
+              pieces.add("identity", w.identity, R * 4);
+              pieces.add("dp_rows", w.dp_rows, R * 4);
+              if (pass == Pass::kBackward) {
+                pieces.add("h", w.backward.h, R * 2 * I * 2);
+              } else {
+                EXPECT_EQ(w.backward.h, nullptr);
+              }
+              pieces.add("dh", w.backward.dh, P * 2 * I * 2);
+              pieces.add("a", w.backward.a, P * I * 2);
+              pieces.add("dp_partial", w.backward.dp_partial, R * w.backward.dp_parts * 4);
+              pieces.add("token_rows", w.backward.token_rows, P * s.H * 2);
+              if (overlap_backward) {
+                pieces.add("dx_rows", w.backward.dx_rows, R * s.H * 2);
+              } else {
+                EXPECT_EQ(w.backward.dx_rows, w.backward.token_rows);
+              }
+              EXPECT_EQ(w.forward.out, nullptr);
             }
-            pieces.add("dh", w.backward.dh, P * 2 * I * 2);
-            pieces.add("a", w.backward.a, P * I * 2);
-            pieces.add("dp_partial", w.backward.dp_partial, R * w.backward.dp_parts * 4);
-            pieces.add("token_rows", w.backward.token_rows, P * s.H * 2);
-            EXPECT_EQ(w.forward.out, nullptr);
+            pieces.check();
           }
-          pieces.check();
         }
       }
     }
@@ -241,6 +251,14 @@ TEST(EpLayout, Fp8CallWorkspace) {
               pieces.add("dp_rows", w.dp_rows, R * 4);
               pieces.add("dh", w.backward.dh, P * 2 * I * 2);
               pieces.add("token_rows", w.backward.token_rows, P * s.H * 2);
+              // The FP8 weight gradients leave token_rows alone: the backward overlap keeps
+              // the dx rows there, in no more workspace.
+              EXPECT_EQ(w.backward.dx_rows, w.backward.token_rows);
+              megamoe::ep::Group overlapped = g;
+              overlapped.overlap_backward = true;
+              EXPECT_EQ(megamoe::ep::backward_workspace_bytes(
+                            overlapped, T, I, pass == Pass::kBackwardSavedH, precision),
+                        reported);
             }
             pieces.check();
           }
