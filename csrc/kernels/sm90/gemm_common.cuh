@@ -35,6 +35,8 @@ enum class NamedBarrier : int {
   kSyncThreads = 0,  // __syncthreads's
   kConsumer0 = 1,
   kConsumer1 = 2,
+  // FP8 mainloop: consumer 1 issues its first MMAs once consumer 0's first group is done.
+  kStagger = 3,
 };
 __device__ __forceinline__ void consumer_barrier_sync(int consumer) {
   named_barrier_sync(static_cast<int>(NamedBarrier::kConsumer0) + consumer, 128);

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<Mainloop::Registers::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   Epilogue epilogue(p.epilogue, smem.epilogue, smem.epilogue_barriers, consumer);
-  const Mainloop mainloop(p.mainloop);
+  Mainloop mainloop(p.mainloop);  // not const: a mainloop may keep state across tiles
   float acc[Mainloop::kAccumulators];
   PipelineState<kStages> state;
   scheduler.for_each_tile([&](const Tile& t) {

@@ -15,6 +15,13 @@
 // per 128 x 256 x 128 MMA block instead of 64 per two 128 x 128 ones: less L2 and
 // shared-memory traffic per FLOP, which is what limits the narrow tile at the FP8 rate.
 //
+// Both warpgroups wait on the same full barrier, and the tensor cores run the MMAs two
+// warpgroups have in flight side by side, so warpgroups that start together finish together
+// and then promote together while the tensor cores idle; nothing in the loop brings them
+// apart again. So the second warpgroup starts its first MMAs of the kernel only once the
+// first one's first group has completed: from then on one promotes while the other's MMAs
+// run (each warpgroup's tiles, k-blocks and epilogues are its own, so the offset lasts).
+//
 // Same members as MainloopBf16 (see there), plus kScaled / kBRowScales for the loaders and
 // kConsumerArrivals: every warp reads the stage's scales, so each warp releases the stage.
 #pragma once
@@ -97,7 +104,7 @@ struct MainloopFp8 {
   template <bool kGenericProxyA, int kStages>
   __device__ __forceinline__ void mma(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
                                       PipelineState<kStages>& state, const Tile& t,
-                                      float (&sum)[kAccumulators], int consumer) const {
+                                      float (&sum)[kAccumulators], int consumer) {
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) sum[i] = 0.f;
     // The B scale rows of the tile's 128-column groups. Gate-up tiles: group 0 of a wide tile
@@ -134,6 +141,12 @@ struct MainloopFp8 {
       for (int g = 0; g < kHalves; ++g) {
 #pragma unroll
         for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
+#ifndef MEGAMOE_FP8_NO_STAGGER
+        // Both warpgroups have the same tiles and k-blocks, so each reaches its first group.
+        if (first_group_ && consumer == 1) {
+          named_barrier_sync(static_cast<int>(NamedBarrier::kStagger), 256);
+        }
+#endif
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 32; ++kk) {
@@ -147,6 +160,12 @@ struct MainloopFp8 {
           sa[1] = a_scales[row + 8];
         }
         wgmma_wait<0>();
+#ifndef MEGAMOE_FP8_NO_STAGGER
+        if (first_group_) {
+          if (consumer == 0) named_barrier_arrive(static_cast<int>(NamedBarrier::kStagger), 256);
+          first_group_ = false;
+        }
+#endif
 #pragma unroll
         for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
         // Block scales: after the last group's MMAs the warp has read all of the stage it
@@ -224,6 +243,7 @@ struct MainloopFp8 {
   int64_t s_expert_;
   int s_n_, s_k_, up_block_;
   bool a_sorted_tma_;
+  bool first_group_ = true;  // this warpgroup has not yet run an MMA group
 };
 
 }  // namespace megamoe::sm90
