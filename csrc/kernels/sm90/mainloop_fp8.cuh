@@ -7,13 +7,16 @@
 //
 // Hopper's FP8 wgmma keeps fewer bits than fp32 while it accumulates, so each k-block's
 // partial products go into scratch accumulators, which are then scaled and added into the
-// fp32 sums the epilogue receives: sum += partial * sa * sb. The warpgroup waits for its MMAs
-// before that promotion; the other consumer warpgroup's MMAs keep the tensor cores busy
-// meanwhile. The scratch holds 128 columns (four m64n128k32 MMAs per k-block): a 256-wide
-// tile runs and promotes its two 128-column halves in turn, so its sums (128 per thread)
-// and one scratch (64) fit the consumers' registers. The wide tile moves 48 bytes of A and B
-// per 128 x 256 x 128 MMA block instead of 64 per two 128 x 128 ones: less L2 and
-// shared-memory traffic per FLOP, which is what limits the narrow tile at the FP8 rate.
+// fp32 sums the epilogue receives: sum += partial * sa * sb. The k-block's columns run as
+// 64-column quarters (four m64n64k32 MMAs each) into two 32-register scratches in turn: a
+// warpgroup issues quarter j + 1 (the next k-block's first after a k-block's last) before it
+// waits for quarter j and promotes it, so its own MMAs keep running through its promotions.
+// (Both warpgroups wait on the same full barriers and the tensor cores run their MMAs side by
+// side, so they tend to finish together; with one scratch they then promoted together while
+// the tensor cores idled.) The sums (128 per thread on a 256-wide tile) and both scratches
+// (64) fit the consumers' registers. The wide tile moves 48 bytes of A and B per 128 x 256 x
+// 128 MMA block instead of 64 per two 128 x 128 ones: less L2 and shared-memory traffic per
+// FLOP, which is what limits the narrow tile at the FP8 rate.
 //
 // Same members as MainloopBf16 (see there), plus kScaled / kBRowScales for the loaders and
 // kConsumerArrivals: every warp reads the stage's scales, so each warp releases the stage.
@@ -55,7 +58,8 @@ struct MainloopFp8 {
       kTileBytesA + kTileBytesB + int(sizeof(float)) * (kAScaleSlots + kBRowScaleSlots);
   static_assert(kTileBytesA % 1024 == 0 && kTileBytesB % 1024 == 0, "swizzle atoms per stage");
   static constexpr int kAccumulators = kBlockN / 2;
-  static constexpr int kPartials = 64;  // one 128-column group's scratch
+  static constexpr int kQuarters = kBlockN / 64;  // 64-column MMA quarters per k-block
+  static constexpr int kQuarterPartials = 32;     // one quarter's scratch
   static constexpr int kExtraTmaBytes = 0;
   static constexpr int kConsumerArrivals = 4;
   // Narrow: 128 accumulators per consumer thread (sums and scratch) leave room to give the
@@ -100,6 +104,7 @@ struct MainloopFp8 {
                                       float (&sum)[kAccumulators], int consumer) const {
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) sum[i] = 0.f;
+    if (t.k_blocks == 0) return;
     // The B scale rows of the tile's 128-column groups. Gate-up tiles: group 0 of a wide tile
     // (the first half of a narrow one) is gate rows, the other up rows of the same block.
     const float* b_scales = b_scales_ + t.expert * s_expert_;
@@ -114,90 +119,146 @@ struct MainloopFp8 {
     }
     const int row = Fragment::row0();
     const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
-    const bool warp_leader = threadIdx.x % 32 == 0;
-    float partial[kPartials];
+    // Quarters of 64 columns into two scratches in turn: quarter q + 1's MMAs are issued
+    // before quarter q's wait, so they run while it is promoted. (Issuing the next k-block's
+    // first quarter before the last one's promotion, across the loop's back edge, makes
+    // ptxas serialize every wgmma: C7514.)
+    float scratch0[kQuarterPartials], scratch1[kQuarterPartials];
+    const Scales scales{b_rows[0], b_rows[1], s_k_, a_offset + consumer * 64, row};
     for (int kb = 0; kb < t.k_blocks; ++kb) {
-      float sb[2] = {1.f, 1.f};
-      if constexpr (!kBRowScales) {
-        sb[0] = __ldg(b_rows[0] + kb * s_k_);
-        // A narrow contiguous tile lies in one block: its second scale is the first.
-        constexpr bool kTwoBlocks = kHalves == 2 || kBColumns == BColumns::kGateUpHalves;
-        sb[1] = kTwoBlocks ? __ldg(b_rows[1] + kb * s_k_) : sb[0];
-      }
-      mbarrier_wait(&pipe.full[state.stage], state.phase);
-      if constexpr (kGenericProxyA) fence_proxy_async_shared();
-      const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + consumer * 64 * kBlockK);
-      const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]);
-      const float* a_scales = tiles.a_scales[state.stage] + a_offset + consumer * 64;
-      float sa[2];
-#pragma unroll
-      for (int g = 0; g < kHalves; ++g) {
-#pragma unroll
-        for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 32; ++kk) {
-          // 32 bytes along K per MMA: 2 descriptor units of 16 bytes; group g's B rows start
-          // 128 rows (16 KB, 1024 units) in.
-          wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        if (g == 0) {
-          sa[0] = a_scales[row];
-          sa[1] = a_scales[row + 8];
-        }
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
-        // Block scales: after the last group's MMAs the warp has read all of the stage it
-        // needs (its A scales are in registers), so the stage goes back before the last
-        // promotion.
-        if constexpr (!kBRowScales) {
-          if (g == kHalves - 1) release(pipe, state, warp_leader);
-        }
-        // A narrow gate-up tile's group is 64 gate and 64 up columns, each with its block.
-        if constexpr (kHalves == 2) {
-          promote(tiles, state, g, partial, sum, sa, sb[g], sb[g]);
-        } else {
-          promote(tiles, state, g, partial, sum, sa, sb[0], sb[1]);
-        }
-      }
-      if constexpr (kBRowScales) release(pipe, state, warp_leader);
-      state.advance();
+      k_block<kGenericProxyA>(tiles, pipe, state, kb, scales, scratch0, scratch1, sum, consumer);
     }
   }
 
-  // sum[group g's columns] += partial * sa * sb: B's scale per row (the stage's) or one
-  // per 128 x 128 block (sb_lo for the group's first 64 columns, sb_hi for the others).
+  // Where a k-block's scales are: B's block-scale rows (b_rows, k-block kb at kb * s_k), and
+  // this thread's A-scale slot in a stage.
+  struct Scales {
+    const float* b_rows[2];
+    int s_k;
+    int a_slot;  // the stage's A scales of this warpgroup's rows start here
+    int row;     // Fragment::row0()
+  };
+
+  // One k-block: waits for its stage, issues quarter 0, then per quarter q issues q + 1
+  // (but after the last), waits for q and promotes it.
+  template <bool kGenericProxyA, int kStages>
+  __device__ __forceinline__ void k_block(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
+                                          PipelineState<kStages>& state, int kb,
+                                          const Scales& scales,
+                                          float (&scratch0)[kQuarterPartials],
+                                          float (&scratch1)[kQuarterPartials],
+                                          float (&sum)[kAccumulators], int consumer) const {
+    float sb[2] = {1.f, 1.f};
+    if constexpr (!kBRowScales) {
+      sb[0] = __ldg(scales.b_rows[0] + kb * scales.s_k);
+      // A narrow contiguous tile lies in one block: its second scale is the first.
+      constexpr bool kTwoBlocks = kHalves == 2 || kBColumns == BColumns::kGateUpHalves;
+      sb[1] = kTwoBlocks ? __ldg(scales.b_rows[1] + kb * scales.s_k) : sb[0];
+    }
+    mbarrier_wait(&pipe.full[state.stage], state.phase);
+    if constexpr (kGenericProxyA) fence_proxy_async_shared();
+    issue_quarter(tiles, state, 0, scratch0, consumer);
+    float sa[2];
+#pragma unroll
+    for (int q = 0; q < kQuarters; ++q) {
+      // q is a constant once the loop unrolls: the scratches' roles are fixed per quarter.
+      if (q % 2 == 0) {
+        quarter(tiles, pipe, state, q, scales, sb, sa, scratch0, scratch1, consumer, sum);
+      } else {
+        quarter(tiles, pipe, state, q, scales, sb, sa, scratch1, scratch0, consumer, sum);
+      }
+    }
+    if constexpr (kBRowScales) release(pipe, state, threadIdx.x % 32 == 0);
+    state.advance();
+  }
+
+  // Quarter q of a k-block: quarter q + 1's MMAs into `next` unless q is the last, then q's
+  // wait and its promotion out of `current`.
+  template <int kStages>
+  __device__ __forceinline__ void quarter(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
+                                          const PipelineState<kStages>& state, int q,
+                                          const Scales& scales, const float (&sb)[2],
+                                          float (&sa)[2], float (&current)[kQuarterPartials],
+                                          float (&next)[kQuarterPartials], int consumer,
+                                          float (&sum)[kAccumulators]) const {
+    if (q + 1 < kQuarters) {
+      issue_quarter(tiles, state, q + 1, next, consumer);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+#pragma unroll
+    for (int i = 0; i < kQuarterPartials; ++i) fence_operand(current[i]);
+    if (q == 0) {
+      const float* a_scales = tiles.a_scales[state.stage] + scales.a_slot;
+      sa[0] = a_scales[scales.row];
+      sa[1] = a_scales[scales.row + 8];
+    }
+    // Block scales: after the last quarter's MMAs the warp has read all of the stage it
+    // needs (its A scales are in registers), so the stage goes back before the last
+    // promotion.
+    if constexpr (!kBRowScales) {
+      if (q == kQuarters - 1) release(pipe, state, threadIdx.x % 32 == 0);
+    }
+    // A wide tile's 128-column group g (quarters 2g, 2g + 1) has one block scale; a narrow
+    // tile's two quarters each have theirs (a gate-up tile's 64 gate and 64 up columns).
+    promote(tiles, state, q, current, sum, sa, kHalves == 2 ? sb[q / 2] : sb[q]);
+#pragma unroll
+    for (int i = 0; i < kQuarterPartials; ++i) fence_operand(current[i]);
+  }
+
+  // Issues quarter q's MMAs (64 columns over the k-block's 128 of K) from the stage into
+  // `scratch`.
+  template <int kStages>
+  __device__ __forceinline__ static void issue_quarter(Tiles<kStages>& tiles,
+                                                       const PipelineState<kStages>& state, int q,
+                                                       float (&scratch)[kQuarterPartials],
+                                                       int consumer) {
+    const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + consumer * 64 * kBlockK);
+    // Quarter q's B rows start 64 q rows (8 KB, 512 descriptor units of 16 bytes) in.
+    const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]) + q * 512;
+#pragma unroll
+    for (int i = 0; i < kQuarterPartials; ++i) fence_operand(scratch[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 32; ++kk) {
+      // 32 bytes along K per MMA: 2 descriptor units of 16 bytes.
+      wgmma_e4m3_n64(scratch, desc_a + 2 * kk, desc_b + 2 * kk, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  }
+
+  // sum[quarter q's columns] += partial * sa * sb: B's scale per row (the stage's) or the
+  // quarter's block scale sb.
   template <int kStages>
   __device__ __forceinline__ static void promote(const Tiles<kStages>& tiles,
-                                                 const PipelineState<kStages>& state, int g,
-                                                 const float (&partial)[kPartials],
+                                                 const PipelineState<kStages>& state, int q,
+                                                 const float (&partial)[kQuarterPartials],
                                                  float (&sum)[kAccumulators], const float (&sa)[2],
-                                                 float sb_lo, float sb_hi) {
-    const int group = g * kPartials;  // g is a constant once the caller's loop unrolls
+                                                 float sb) {
+    const int base = q * kQuarterPartials;  // q is a constant once the caller's loop unrolls
     if constexpr (kBRowScales) {
-      const float* b_row_scales = tiles.b_scales[state.stage] + g * 128 + Fragment::col0();
+      const float* b_row_scales = tiles.b_scales[state.stage] + q * 64 + Fragment::col0();
 #pragma unroll
-      for (int q = 0; q < 128 / 8; ++q) {
-        const float2 sbq = *reinterpret_cast<const float2*>(b_row_scales + q * 8);
+      for (int c = 0; c < 64 / 8; ++c) {
+        const float2 sbc = *reinterpret_cast<const float2*>(b_row_scales + c * 8);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int i = Fragment::index(q, half, 0);
-          sum[group + i] = fmaf(partial[i], sa[half] * sbq.x, sum[group + i]);
-          sum[group + i + 1] = fmaf(partial[i + 1], sa[half] * sbq.y, sum[group + i + 1]);
+          const int i = Fragment::index(c, half, 0);
+          sum[base + i] = fmaf(partial[i], sa[half] * sbc.x, sum[base + i]);
+          sum[base + i + 1] = fmaf(partial[i + 1], sa[half] * sbc.y, sum[base + i + 1]);
         }
       }
     } else {
-      const float scale[2][2] = {{sa[0] * sb_lo, sa[1] * sb_lo}, {sa[0] * sb_hi, sa[1] * sb_hi}};
+      const float scale[2] = {sa[0] * sb, sa[1] * sb};
 #pragma unroll
-      for (int q = 0; q < 128 / 8; ++q) {
+      for (int c = 0; c < 64 / 8; ++c) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const int i = Fragment::index(q, half, j);
-            sum[group + i] = fmaf(partial[i], scale[q < 8 ? 0 : 1][half], sum[group + i]);
+            const int i = Fragment::index(c, half, j);
+            sum[base + i] = fmaf(partial[i], scale[half], sum[base + i]);
           }
         }
       }

@@ -251,6 +251,27 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t desc_a,
                : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// D[64x64] (+)= A[64x32] * B[64x32]^T, e4m3 in, fp32 out, both K-major: a quarter of the
+// wide FP8 tile's columns, so that a warpgroup can keep one quarter's MMAs in flight while
+// it promotes the one before (two 32-register scratches fit where one 64 did).
+#define MEGAMOE_WGMMA_ACC32(d, i) \
+  MEGAMOE_WGMMA_ACC8(d, i), MEGAMOE_WGMMA_ACC8(d, i + 8), MEGAMOE_WGMMA_ACC8(d, i + 16), \
+      MEGAMOE_WGMMA_ACC8(d, i + 24)
+__device__ __forceinline__ void wgmma_e4m3_n64(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+  asm volatile("{\n"
+               ".reg .pred p;\n"
+               "setp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+               "%32, %33, p, 1, 1;\n"
+               "}\n"
+               : MEGAMOE_WGMMA_ACC32(d, 0)
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+#undef MEGAMOE_WGMMA_ACC32
+
 #undef MEGAMOE_WGMMA_ACC64
 #undef MEGAMOE_WGMMA_ACC8
 #undef MEGAMOE_WGMMA_D_64_127
