@@ -331,36 +331,16 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
 
 namespace {
 
-// The FP8 dgrads: z = dy W_down^T's product with dy quantized (into the sorted rows, or
-// gathered) -> dh, a and the dp partials; then dx rows = dh W_gate_up with dh quantized
-// (into dx_rows, token_rows' bytes unless carved apart, after the L2 GEMM has read dy's
-// copy there). With dh_columns, dh's
-// token-contiguous copy for dW_gate_up goes into b.lhs_fp8 from the same read of dh as its
-// rows (unless fp8_unfused_quantization()); returns whether it did.
-bool backward_dgrad_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
-                        const BackwardBuffers& b, bool dx_rows, bool dh_columns,
-                        cudaStream_t stream) {
+// The FP8 dgrad of L2: z = dy W_down^T's product with dy quantized (into the sorted rows,
+// or gathered) -> dh, a and the dp partials.
+void backward_dgrad_l2_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
+                           const BackwardBuffers& b, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
   const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, {}, H, b.dy_fp8, stream);
   sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, dy, as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
   sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
       l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
-  if (!dx_rows) return false;
-  const bool fused = dh_columns && !fp8_unfused_quantization();
-  if (fused) {
-    quantize_fp8_rows_and_columns(rows_args(b.dh, b.padded_rows, 2 * I, b.dh_fp8),
-                                  columns_args(b.dh, b.padded_rows, 2 * I, b.lhs_fp8), stream);
-  } else {
-    quantize_rows(b.dh, b.padded_rows, 2 * I, b.dh_fp8, stream);
-  }
-  const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,
-                              b.dh_fp8.scales, b.dh_fp8.scale_ld};
-  sm90::MGroupedFp8GemmArgs l1 = over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),
-                                               2 * I, H, b.dx_rows);
-  l1.groups.rows = b.padded_rows;
-  sm90::m_grouped_fp8_gemm_nt(l1, stream);
-  return fused;
 }
 
 }  // namespace
@@ -383,19 +363,43 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
     h = b.h;
   }
   if (w.fp8_backward()) {
+    backward_dgrad_l2_fp8(rows, w, h, b, stream);
+  } else {
+    // z = w_down^T dy (dy rows gathered, w_down read N-major) -> dh and a, padded since they
+    // feed the weight gradients, and the dp partials.
+    sm90::MGroupedGemmArgs l2 = over_rows(rows, gathered(rows, rows.dy), w.w_down, H, I, nullptr);
+    l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
+    sm90::m_grouped_gemm_nn_swiglu_backward(
+        l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
+  }
+  if (!dx_rows) return {};
+  return backward_dgrad_l1(rows, w, b, stream, d_w_gate_up_wanted);
+}
+
+DgradDone backward_dgrad_l1(const Rows& rows, const Experts& w, const BackwardBuffers& b,
+                            cudaStream_t stream, bool d_w_gate_up_wanted) {
+  const int64_t H = w.hidden, I = w.intermediate;
+  if (w.fp8_backward()) {
+    // dh quantized (into dh_fp8), with its token-contiguous copy for dW_gate_up into
+    // b.lhs_fp8 from the same read of dh when d_w_gate_up_wanted (unless
+    // fp8_unfused_quantization()); then dx rows = dh W_gate_up into dx_rows (token_rows'
+    // bytes unless carved apart, after the L2 dgrad has read dy's copy there).
     DgradDone done;
-    done.dh_columns = backward_dgrad_fp8(rows, w, h, b, dx_rows, d_w_gate_up_wanted, stream);
+    done.dh_columns = d_w_gate_up_wanted && !fp8_unfused_quantization();
+    if (done.dh_columns) {
+      quantize_fp8_rows_and_columns(rows_args(b.dh, b.padded_rows, 2 * I, b.dh_fp8),
+                                    columns_args(b.dh, b.padded_rows, 2 * I, b.lhs_fp8), stream);
+    } else {
+      quantize_rows(b.dh, b.padded_rows, 2 * I, b.dh_fp8, stream);
+    }
+    const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,
+                                b.dh_fp8.scales, b.dh_fp8.scale_ld};
+    sm90::MGroupedFp8GemmArgs l1 = over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),
+                                                 2 * I, H, b.dx_rows);
+    l1.groups.rows = b.padded_rows;
+    sm90::m_grouped_fp8_gemm_nt(l1, stream);
     return done;
   }
-
-  // z = w_down^T dy (dy rows gathered, w_down read N-major) -> dh and a, padded since they
-  // feed the weight gradients, and the dp partials.
-  sm90::MGroupedGemmArgs l2 = over_rows(rows, gathered(rows, rows.dy), w.w_down, H, I, nullptr);
-  l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
-  sm90::m_grouped_gemm_nn_swiglu_backward(
-      l2, {h, rows.slot_weights, rows.plan.row_slot, b.dp_partial, b.a}, stream);
-
-  if (!dx_rows) return {};
   // dx rows = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H), in row order.
   const sm90::MGroupedA dh{b.dh, b.padded_rows, RowLayout::kPadded, nullptr};
   sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H, b.dx_rows);

@@ -42,6 +42,8 @@ __device__ __forceinline__ void copy_row_to(const void* src, int bytes, int lane
 // layout), the router weight and the token's index on the owner. One warp per token. part:
 // every owner, or (the overlapped forward) this rank only, without copying the rows (L1
 // reads them from x: own_row_token gets each own row's token), or the other ranks only.
+// x null: no x rows (the overlapped backward's dy and metadata); metadata false: the rows
+// alone (its x rows, sent later beside the L2 dgrad).
 template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(kCopyThreads)
                     const int32_t* __restrict__ expert_offsets,
                     const int32_t* __restrict__ send_base, const int32_t* __restrict__ token_pos,
                     const int32_t* __restrict__ token_count, const int32_t* __restrict__ skip,
-                    int64_t T, int32_t experts_per_rank, DispatchPart part,
+                    int64_t T, int32_t experts_per_rank, DispatchPart part, bool metadata,
                     int32_t* __restrict__ own_row_token, const chain::Fp8Rows x_fp8) {
   const int world = peers.world_size, k = layout.topk, H = layout.hidden;
   // Whether this kernel serves rank d.
@@ -60,7 +62,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     return part == DispatchPart::kAll || (part == DispatchPart::kSelf) == (d == peers.rank);
   };
   if (*skip == 0) {
-    if (blockIdx.x == 0 && threadIdx.x < world && serves(threadIdx.x)) {
+    if (metadata && blockIdx.x == 0 && threadIdx.x < world && serves(threadIdx.x)) {
       at<int32_t>(peers.buffers[threadIdx.x], layout.recv_token_count)[peers.rank] =
           token_count[threadIdx.x];
     }
@@ -101,12 +103,12 @@ __global__ void __launch_bounds__(kCopyThreads)
               }
             }
           }
-        } else {
+        } else if (x != nullptr) {
           copy_row_to(x + t * H, 2 * H, lane, world, to(layout.recv_x, 2 * H));
         }
         if (dy != nullptr) copy_row_to(dy + t * H, 2 * H, lane, world, to(layout.recv_dy, 2 * H));
       }
-      for (int d = 0; d < world; ++d) {
+      for (int d = 0; metadata && d < world; ++d) {
         const int32_t pos = token_pos[t * world + d];
         if (pos < 0 || !serves(d)) continue;
         char* dst = peers.buffers[d];
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
-              cudaStream_t stream, DispatchPart part, int blocks) {
+              cudaStream_t stream, DispatchPart part, int blocks, bool metadata) {
   if (part == DispatchPart::kSelf && c.w.own_row_token == nullptr) {
     throw_invalid("EP dispatch: the own rows' pass needs the overlapped forward's workspace");
   }
@@ -171,7 +173,7 @@ void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
     dispatch_kernel<<<blocks > 0 ? blocks : c.copy_blocks, kCopyThreads, 0, stream>>>(
         c.g.peers, c.buffer, x, dy, ids, topk_weights, c.w.local.plan.slot_row,
         c.w.local.plan.expert_offsets, c.w.send_base, c.w.token_pos, c.w.token_count, c.w.skip,
-        c.T, static_cast<int32_t>(c.e_local), part, c.w.own_row_token, x_fp8);
+        c.T, static_cast<int32_t>(c.e_local), part, metadata, c.w.own_row_token, x_fp8);
   };
   if (ids_are_int64) {
     launch(static_cast<const int64_t*>(topk_ids));

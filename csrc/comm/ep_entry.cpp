@@ -66,7 +66,7 @@ ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {
   // The backward's dx send beside the weight gradients (docs/expert-parallel.md, "Backward
   // overlap"): off unless MEGAMOE_EP_OVERLAP_BACKWARD is set (not "" or "0"). The buffer
   // layout does not depend on it, the bf16 backward's workspace does (read on every
-  // group), and ranks may differ.
+  // group). Every rank must see the same value.
   out.overlap_backward = env_switch("MEGAMOE_EP_OVERLAP_BACKWARD");
   // The FP8 forward's bf16 dispatch (docs/expert-parallel.md, "Blockwise FP8 under EP"): off
   // unless MEGAMOE_EP_FP8_BF16_DISPATCH is set (not "" or "0"), for an A/B of the quantized

@@ -41,6 +41,7 @@ CallWorkspace carve_checked(const Group& g, int64_t T, int64_t I, Pass pass,
 // dispatch x quantized here once; with dy, dy rows too), and the dispatch phase: afterwards
 // this rank's received rows are in place (and, for the FP8 chain, the received tokens' slot
 // rows of this call).
+// x null: no x rows (the overlapped backward sends them later).
 Call route_and_dispatch(const Group& g, const CallWorkspace& w, const __nv_bfloat16* x,
                         const __nv_bfloat16* dy, const void* topk_ids, bool ids_are_int64,
                         const float* topk_weights, int64_t T, cudaStream_t stream) {
@@ -367,15 +368,36 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
       workspace, workspace_size,
       experts.fp8_backward() ? "megamoe_ep_fp8_backward_workspace_size"
                              : "megamoe_ep_backward_workspace_size");
-  const Call c =
-      route_and_dispatch(g, w, x, dy, topk_ids, ids_are_int64, topk_weights, T, stream);
+  // With saved h, nothing before the weight gradients reads x's rows: the overlapped
+  // backward sends dy's rows (and every row's metadata) first, and x's on the side stream
+  // beside the L2 dgrad, which runs on the other SMs (SmLimit), with a phase of their own.
+  const bool x_beside = g.overlap_backward && saved_h != nullptr;
+  const Call c = route_and_dispatch(g, w, x_beside ? nullptr : x, dy, topk_ids, ids_are_int64,
+                                    topk_weights, T, stream);
   const int64_t H = g.hidden, R = g.max_recv_rows;
+  const SideStream* side = g.overlap_backward ? &side_stream_for(c) : nullptr;
+  const int copy_blocks = overlap_copy_blocks(c);
+  const int gemm_sms = std::max(1, c.sms - copy_blocks / 2);
+  if (x_beside) {
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->fork, stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+    dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, side->stream,
+             DispatchPart::kAll, copy_blocks, /*metadata=*/false);
+    comm::phase_barrier(g.peers, comm::Phase::kDispatchX, g.timeout_ns, c.error, side->stream);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->join, side->stream));
+  }
   fill_identity(c, w.identity, R, stream);
   const chain::Rows rows = received_rows(c, w.identity);
   const chain::BackwardBuffers& b = w.backward;
-  const chain::DgradDone done = chain::backward_dgrad(rows, experts, saved_h, b, true, stream,
-                                                      /*d_w_gate_up_wanted=*/true);
+  {
+    std::optional<SmLimit> cap;  // beside x's rows only
+    if (x_beside) cap.emplace(gemm_sms);
+    chain::backward_dgrad(rows, experts, saved_h, b, /*dx_rows=*/false, stream);
+  }
+  const chain::DgradDone done =
+      chain::backward_dgrad_l1(rows, experts, b, stream, /*d_w_gate_up_wanted=*/true);
   reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
+  if (x_beside) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side->join, 0));
   // The dx rows are apart from what the weight gradients write when carved so (bf16) or
   // when those read the token matrices in place (FP8, unless a diagnostic switch says not).
   const bool apart = b.dx_rows != b.token_rows || !chain::wgrad_writes_token_rows(experts);
@@ -383,17 +405,15 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     // The dx send on the side stream's copy blocks, launched first so that they find their
     // SMs; the weight gradients beside it on the others (SmLimit). Neither writes what the
     // other reads, and each output's bits are as in the default order.
-    const SideStream& side = side_stream_for(c);
-    const int copy_blocks = overlap_copy_blocks(c);
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
-    combine_send(c, b.dx_rows, nullptr, w.dp_rows, side.stream, copy_blocks);
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->fork, stream));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+    combine_send(c, b.dx_rows, nullptr, w.dp_rows, side->stream, copy_blocks);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->join, side->stream));
     {
-      const SmLimit cap(std::max(1, c.sms - copy_blocks / 2));
+      const SmLimit cap(gemm_sms);
       chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
     }
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side->join, 0));
   } else {
     combine_send(c, b.dx_rows, nullptr, w.dp_rows, stream);
     // The weight gradients stay here: they run while the peers finish.

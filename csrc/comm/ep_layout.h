@@ -35,13 +35,14 @@ struct Group {
   // then on the peers' rows (docs/expert-parallel.md, "Forward overlap" (b)). Every rank of a
   // group must agree, and call with saved h all alike (the layout follows it).
   bool overlap_dispatch = false;
-  // The backward sends the dx rows back on a side stream while the weight gradients run on
-  // the caller's, their grids capped to leave the copy blocks their SMs
-  // (docs/expert-parallel.md, "Backward overlap"). The bf16 backward then keeps the dx rows
-  // in a buffer of their own (the bf16 weight gradients gather into token_rows), which the
-  // workspace size counts; the FP8 one reads the token matrices in place (unless the
-  // diagnostic MEGAMOE_FP8_UNFUSED_COLS: then the default order). A rank's own scheduling:
-  // the ranks need not agree.
+  // The backward moves rows on a side stream beside its GEMMs, whose grids are capped to
+  // leave the copy blocks their SMs (docs/expert-parallel.md, "Backward overlap"): with
+  // saved h, x's rows are dispatched after dy's, in a phase of their own, beside the L2
+  // dgrad; and the dx rows go back beside the weight gradients. For the latter the bf16
+  // backward keeps the dx rows in a buffer of their own (the bf16 weight gradients gather
+  // into token_rows), which the workspace size counts; the FP8 one reads the token matrices
+  // in place (unless the diagnostic MEGAMOE_FP8_UNFUSED_COLS: then the default order).
+  // Every rank of a group must agree (x's rows arrive in another phase).
   bool overlap_backward = false;
   // The FP8 forward dispatches bf16 x rows and each owner quantizes the tokens it received,
   // instead of each rank quantizing its x once and dispatching e4m3 rows with their scales

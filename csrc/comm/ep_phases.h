@@ -30,10 +30,13 @@ enum class DispatchPart : int32_t { kAll, kSelf, kPeers };
 // that owns one of its experts, with its slots' rows, router weights and token there. With
 // c.w.fp8_dispatch (the FP8 forward), the token's e4m3 row and scales from
 // c.w.x_fp8_tokens (written on `stream` before) instead of its x row.
-// Nothing is sent when the call is skipped. blocks: the grid (0: c.copy_blocks).
+// Nothing is sent when the call is skipped. blocks: the grid (0: c.copy_blocks). x null:
+// no x rows; metadata false: the rows alone, without the slots' rows, weights, tokens and
+// counts (the overlapped backward sends dy with those first, x after them: the same bytes).
 void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
               const void* topk_ids, bool ids_are_int64, const float* topk_weights,
-              cudaStream_t stream, DispatchPart part = DispatchPart::kAll, int blocks = 0);
+              cudaStream_t stream, DispatchPart part = DispatchPart::kAll, int blocks = 0,
+              bool metadata = true);
 
 // After the dispatch phase: out [W * max_tokens, k] = this call's recv_slot_row, -1 for the
 // entries past each source's token count (whose recv_slot_row is a former call's) and for

@@ -78,6 +78,7 @@ std::string describe_error(int32_t code) {
                      : phase == int(Phase::kDispatch) ? "dispatch"
                      : phase == int(Phase::kCombine)  ? "combine"
                      : phase == int(Phase::kCombineRows) ? "combine rows"
+                     : phase == int(Phase::kDispatchX) ? "dispatch x"
                                                       : "unknown";
   return "rank " + std::to_string(rank) + " did not arrive in phase '" + name +
          "' within the timeout";

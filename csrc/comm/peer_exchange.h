@@ -24,6 +24,7 @@ enum class Phase : int32_t {
   kDispatch = 1,  // token rows sent to their experts' ranks
   kCombine = 2,   // result rows sent back to their tokens' ranks
   kCombineRows = 3,  // not a barrier: the source's wait for each slot's row from L2's epilogue
+  kDispatchX = 4,    // the overlapped backward's x rows, sent after dy's (Group::overlap_backward)
   kCapacity = 6,  // not a wait: a rank would receive more rows than its capacity
   kNumPhases = 8
 };

@@ -345,11 +345,13 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
  * the experts' ranks, or the forward's saved_h. d_topk_weights and the weight gradients
  * are bitwise equal to megamoe_fused_backward of the same global problem on one GPU; dx
  * differs by the owners' bf16 partial sums, as y does. MEGAMOE_EP_OVERLAP_BACKWARD=1 in the
- * environment (read when a group is used; ranks may differ) sends the dx rows back on a
- * second stream while the weight gradients run on the other SMs: the same bits, and
- * max_recv_rows x hidden bf16 more workspace (megamoe_ep_backward_workspace_size counts
- * it), where the dx rows wait apart from the weight gradients' operands. The second stream
- * is made at a rank's first such call, which must not be under CUDA graph capture. */
+ * environment (read when a group is used; every rank must see the same value) moves rows
+ * on a second stream beside the GEMMs, on the SMs they leave (num_comm_sms): with saved_h,
+ * x's rows travel after dy's, beside the dgrad of L2; the dx rows go back beside the weight
+ * gradients. The same bits, and max_recv_rows x hidden bf16 more workspace
+ * (megamoe_ep_backward_workspace_size counts it), where the dx rows wait apart from the
+ * weight gradients' operands. The second stream is made at a rank's first such call, which
+ * must not be under CUDA graph capture. */
 MEGAMOE_API megamoe_status megamoe_ep_backward(
     const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
     const megamoe_tensor* topk_ids, const megamoe_tensor* topk_weights,

@@ -24,9 +24,9 @@ from .errors import MegaMoEError
 MAX_RANKS = _lib.MAX_RANKS
 _BUFFERS: dict[int, "Buffer"] = {}  # by id, for the custom op (it takes ints, not objects)
 _IDS = itertools.count(1)
-# The environment switches of the EP forward's paths that every rank must agree on.
+# The environment switches of the EP layer's paths that every rank must agree on.
 _SWITCHES = ("MEGAMOE_EP_EPILOGUE_COMBINE", "MEGAMOE_EP_OVERLAP_DISPATCH",
-             "MEGAMOE_EP_FP8_BF16_DISPATCH")
+             "MEGAMOE_EP_FP8_BF16_DISPATCH", "MEGAMOE_EP_OVERLAP_BACKWARD")
 
 
 class Buffer:
@@ -60,9 +60,10 @@ class Buffer:
             raise MegaMoEError(f"Buffer: num_comm_sms must be a positive int or None (every SM), "
                                f"got {num_comm_sms!r}")
         settings = (max_tokens_per_rank, hidden, intermediate, num_experts, topk, max_recv_rows)
-        # The forward's path switches (docs/expert-parallel.md, "Forward overlap" and
-        # "Blockwise FP8 under EP"): the C library reads them from the environment, and
-        # ranks that disagree would lay out, send and expect rows differently.
+        # The layer's path switches (docs/expert-parallel.md, "Forward overlap", "Backward
+        # overlap" and "Blockwise FP8 under EP"): the C library reads them from the
+        # environment, and ranks that disagree would lay out, send and expect rows
+        # differently.
         switches = tuple(os.environ.get(name, "") not in ("", "0") for name in _SWITCHES)
         gathered = [None] * world
         dist.all_gather_object(gathered, (settings, switches), group=group)
