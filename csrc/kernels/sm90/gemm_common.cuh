@@ -53,13 +53,32 @@ struct RegisterSplit {
 // The bf16 mainloop's 256-wide tiles keep 128 accumulators per consumer thread.
 using WideConsumerRegisters = RegisterSplit<56, 224>;
 
+// One tile of work, as the tile scheduler hands it to the producer and the consumers.
+struct Tile {
+  int expert;
+  int n_tile;
+  int rows;         // rows that hold data (fewer than kBlockM in an expert's last M-tile)
+  // kM: the tile's first row in the expert-sorted order, and in the padded layout (expert e's
+  // rows from tile_offsets[e] * kBlockM, pad rows up to the next multiple of kBlockM).
+  // kK: both are the tile's first row of C ([E * m, n], the experts' gradients stacked).
+  int row0, padded_row0;
+  int m0;           // kK: the tile's first row of the expert's gradient (a column of A)
+  int k_row0;       // kK: the expert's first padded row, where its reduction starts; kM: 0
+  int k_blocks;     // k-blocks to reduce (0 for an expert without rows: C is zero)
+  __device__ __forceinline__ int row(bool padded) const { return padded ? padded_row0 : row0; }
+};
+
 // The ring of shared-memory stages between the producer and the consumers: a stage's `full`
 // barrier completes when its operands have landed, its `empty` barrier when both consumer
-// warpgroups are done reading it.
+// warpgroups are done reading it. A producer that passes its tiles (GroupedGemm's
+// kDynamicTiles) also writes into `tile[s]` the tile whose first k-block stage s holds (a
+// tile without k-blocks, or expert -1 for "no more", in a stage of its own without
+// operands), before the stage's full barrier.
 template <int kStages>
 struct Pipeline {
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  Tile tile[kStages];
 };
 
 // A walker's position in the ring: the stage and the parity of its barriers' current phase.
@@ -76,19 +95,5 @@ struct PipelineState {
   }
 };
 
-// One tile of work, as the tile scheduler hands it to the producer and the consumers.
-struct Tile {
-  int expert;
-  int n_tile;
-  int rows;         // rows that hold data (fewer than kBlockM in an expert's last M-tile)
-  // kM: the tile's first row in the expert-sorted order, and in the padded layout (expert e's
-  // rows from tile_offsets[e] * kBlockM, pad rows up to the next multiple of kBlockM).
-  // kK: both are the tile's first row of C ([E * m, n], the experts' gradients stacked).
-  int row0, padded_row0;
-  int m0;           // kK: the tile's first row of the expert's gradient (a column of A)
-  int k_row0;       // kK: the expert's first padded row, where its reduction starts; kM: 0
-  int k_blocks;     // k-blocks to reduce (0 for an expert without rows: C is zero)
-  __device__ __forceinline__ int row(bool padded) const { return padded ? padded_row0 : row0; }
-};
 
 }  // namespace megamoe::sm90

@@ -24,17 +24,28 @@
 #include "kernels/sm90/gemm_common.cuh"
 #include "kernels/sm90/producer.cuh"
 #include "kernels/sm90/tile_scheduler.cuh"
+#include "kernels/sm90/tile_counters.h"
 
 namespace megamoe::sm90 {
 
-template <Grouping kGrouping, class Mainloop_, class ALoad_, class BLoad_, class Epilogue_>
+template <Grouping kGrouping_, class Mainloop_, class ALoad_, class BLoad_, class Epilogue_>
 struct GroupedGemm {
   using Mainloop = Mainloop_;
   using ALoad = ALoad_;
   using BLoad = BLoad_;
   using Epilogue = Epilogue_;
+  static constexpr Grouping kGrouping = kGrouping_;
   using Scheduler = TileScheduler<kGrouping, Mainloop::kBlockK>;
   using Producer = sm90::Producer<Mainloop, ALoad, BLoad>;
+  // The producer passes each tile to the consumers beside its first stage, so that the
+  // tiles can be handed out as blocks ask for them when the launch has counters
+  // (tile_counters.h), round-robin otherwise: GEMMs whose producer is one TMA thread (a
+  // 128-thread gathering producer has no registers for the loop's state at its 56) and
+  // whose epilogue allows it; not the FP8 weight gradients, whose consumers spill 4 bytes
+  // with it. The others walk the round-robin order in every warpgroup.
+  static constexpr bool kDynamicTiles = Producer::kThreads == 1 &&
+                                        !round_robin_tiles_only<Epilogue>() &&
+                                        !(kGrouping == Grouping::kK && Mainloop::kScaled);
 
   static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
   static_assert(Epilogue::kBColumns == BLoad::kColumns, "the epilogue needs another B tile");
@@ -116,7 +127,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The producer needs few registers: give them to the consumers' accumulators.
     setmaxnreg_dec<Mainloop::Registers::kProducerRegisters>();
     if (Producer::kThreads == 128 || threadIdx.x == 0) {
-      Producer::run(p.a, p.b, p.mainloop, scheduler, smem.tiles, smem.pipeline);
+      Producer::template run<Gemm::kDynamicTiles>(p.a, p.b, p.mainloop, scheduler, smem.tiles,
+                                                  smem.pipeline);
     }
     return;
   }
@@ -127,20 +139,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Mainloop mainloop(p.mainloop);
   float acc[Mainloop::kAccumulators];
   PipelineState<kStages> state;
-  scheduler.for_each_tile([&](const Tile& t) {
+  const auto run_tile = [&](const Tile& t) {
     epilogue.begin_tile(t);
     mainloop.template mma<Gemm::ALoad::kGenericProxy>(smem.tiles, smem.pipeline, state, t, acc,
                                                       consumer);
     epilogue.store(t, acc);
-  });
+  };
+  if constexpr (Gemm::kDynamicTiles) {
+    // The producer passes each tile (in either order): the consumers never locate one.
+    scheduler.for_each_passed_tile(smem.pipeline, state, [&](const Tile& t) {
+      // A tile without k-blocks came alone in its stage: hand the stage back.
+      if (t.k_blocks == 0) {
+        Mainloop::release_unread(smem.pipeline, state);
+        state.advance();
+      }
+      run_tile(t);
+    });
+  } else {
+    scheduler.for_each_tile(run_tile);
+  }
   epilogue.finish();
 }
 
 // The one launcher: a persistent grid of min(tiles, SMs) blocks over `max_tiles`, a bound
 // on the tiles (the scheduler's). Nothing to do is no launch.
 template <class Gemm>
-void launch_grouped_gemm(const typename Gemm::Params& p, int64_t max_tiles, cudaStream_t stream) {
+void launch_grouped_gemm(const typename Gemm::Params& params, int64_t max_tiles,
+                         cudaStream_t stream) {
   if (max_tiles <= 0) return;
+  typename Gemm::Params p = params;
+  if constexpr (Gemm::kDynamicTiles) {
+    p.scheduler.dynamic = dynamic_tile_counters(stream);  // null unless switched on
+  }
   const int sms = sm_count();
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   auto* kernel = &grouped_gemm_kernel<Gemm>;

@@ -58,6 +58,14 @@ struct MainloopBf16 {
   __device__ __forceinline__ void load_extras(Tiles<kStages>&, int, uint64_t*, const Tile&,
                                               int) const {}
 
+  // A stage this warpgroup did not read (it carried a tile without k-blocks): its
+  // arrival, as after reading it.
+  template <int kStages>
+  __device__ __forceinline__ static void release_unread(Pipeline<kStages>& pipe,
+                                                        const PipelineState<kStages>& state) {
+    if (threadIdx.x % 128 == 0) mbarrier_arrive(&pipe.empty[state.stage]);
+  }
+
   // The tile's MMAs for consumer warpgroup `consumer` (its 64 rows of the tile), walking the
   // ring from `state`. kGenericProxyA: A was written through the generic proxy (cp.async).
   template <bool kGenericProxyA, int kStages>

@@ -204,6 +204,14 @@ struct MainloopFp8 {
     }
   }
 
+  // A stage this warpgroup did not read (it carried a tile without k-blocks): its
+  // arrivals, as after reading it.
+  template <int kStages>
+  __device__ __forceinline__ static void release_unread(Pipeline<kStages>& pipe,
+                                                        const PipelineState<kStages>& state) {
+    release(pipe, state, threadIdx.x % 32 == 0);
+  }
+
   // The warp's reads of the stage are done: its leader's arrival (one of kConsumerArrivals).
   // The fence makes "done" true: ptxas issues the last scale loads (LDS) just before the
   // arrival and uses their values only after it, and nothing else waits for them, so the

@@ -20,8 +20,10 @@ struct Producer {
   static constexpr int kFullArrivals = 1 + ALoad::kArrivals;
   static constexpr int kTmaBytes = ALoad::kTmaBytes + BLoad::kBytes + Mainloop::kExtraTmaBytes;
 
-  // Run by threads 0..kThreads-1 of warpgroup 0.
-  template <class Scheduler, int kStages>
+  // Run by threads 0..kThreads-1 of warpgroup 0. kPass (one producer thread): each tile
+  // passed to the consumers beside its first stage (Pipeline::tile), in the order the
+  // scheduler hands them out (TileScheduler::for_each_tile_to_pass), and an end marker.
+  template <bool kPass, class Scheduler, int kStages>
   __device__ __forceinline__ static void run(const typename ALoad::Params& a_params,
                                              const typename BLoad::Params& b_params,
                                              const typename Mainloop::Params& mainloop_params,
@@ -37,12 +39,27 @@ struct Producer {
       b.prefetch();
     }
     PipelineState<kStages> state;
-    scheduler.for_each_tile([&](const Tile& t) {
+    // A stage without operands that carries `t` to the consumers (a tile without k-blocks,
+    // or expert -1: no more), its full barrier completed by the arrivals a filled stage gets
+    // (the TMA thread's and, from each thread, the A loader's).
+    const auto pass_alone = [&](const Tile& t) {
+      const int s = state.stage;
+      mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
+      if (tma_thread) {
+        pipe.tile[s] = t;
+        mbarrier_arrive(&pipe.full[s]);
+      }
+      if constexpr (ALoad::kArrivals > 0) mbarrier_arrive(&pipe.full[s]);
+      state.advance();
+    };
+    const auto produce = [&](const Tile& t) {
       a.begin_tile(t);
+      if (kPass && t.k_blocks == 0) pass_alone(t);
       for (int kb = 0; kb < t.k_blocks; ++kb) {
         const int s = state.stage;
         mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
         if (tma_thread) {
+          if (kPass && kb == 0) pipe.tile[s] = t;  // for the consumers (Pipeline::tile)
           mbarrier_arrive_expect_tx(&pipe.full[s], kTmaBytes);
           a.load_tma(tiles, s, &pipe.full[s], t, kb);
           b.load(tiles, s, &pipe.full[s], t, kb);
@@ -51,7 +68,15 @@ struct Producer {
         a.load_async(tiles, s, &pipe.full[s], t, kb);
         state.advance();
       }
-    });
+    };
+    if constexpr (kPass) {
+      static_assert(kThreads == 1);
+      Tile none{};
+      none.expert = -1;
+      scheduler.for_each_tile_to_pass(produce, [&] { pass_alone(none); });
+    } else {
+      scheduler.for_each_tile(produce);
+    }
   }
 };
 

@@ -3,7 +3,11 @@
 // Tiles are numbered, M-tile-major, and handed out round-robin over the persistent grid
 // (tile blockIdx.x, then + gridDim.x, ...). The producer and both consumer warpgroups of a
 // block walk this one sequence through for_each_tile, so they agree on every tile and on the
-// order of the stages it fills.
+// order of the stages it fills. Or (with Params::dynamic) as blocks ask for them: the
+// producer takes the next number from a counter in global memory and passes each tile to
+// its consumers beside the tile's first stage (Pipeline::tile), so that a block that starts
+// late, its SM held by another kernel, does fewer tiles instead of ending late. Which block
+// computes a tile changes no bits.
 //   Grouping::kM: tile = (M-tile, N-tile). M-tiles are the experts' row ranges cut into
 //     kBlockM rows (tile_offsets[e] is expert e's first M-tile); a tile of an expert's last
 //     M-tile may hold fewer rows. Every tile reduces the whole K.
@@ -27,6 +31,9 @@ class TileScheduler {
     int32_t n_tiles;                // tiles along N
     int32_t k;                      // kM: the reduction length (a multiple of kBlockK)
     int32_t m;                      // kK: rows of an expert's gradient (a multiple of kBlockM)
+    // Null, or [2] zeros (the next tile to hand out, the blocks done), left zeros by the
+    // launch: tiles handed out as the blocks' producers ask for them.
+    int32_t* dynamic = nullptr;
   };
 
   static Params m_grouped(const int32_t* expert_offsets, const int32_t* tile_offsets,
@@ -61,6 +68,40 @@ class TileScheduler {
   template <class F>
   __device__ __forceinline__ void for_each_tile(F&& f) const {
     for (int tile = blockIdx.x; tile < num_tiles_; tile += gridDim.x) f(locate(tile));
+  }
+
+  // The consumers' loop when the producer passes the tiles: f(tile) for each, read from its
+  // first stage's slot (expert -1: no more) after that stage's full barrier; a tile without
+  // k-blocks (kK: an expert without rows) came in a stage of its own, without operands.
+  template <int kStages, class F>
+  __device__ __forceinline__ void for_each_passed_tile(Pipeline<kStages>& pipe,
+                                                       const PipelineState<kStages>& state,
+                                                       F&& f) const {
+    for (;;) {
+      mbarrier_wait(&pipe.full[state.stage], state.phase);
+      const Tile t = pipe.tile[state.stage];  // a copy: the producer rewrites the slot
+      if (t.expert < 0) break;
+      f(t);
+    }
+  }
+
+  __device__ __forceinline__ bool dynamic() const { return p_.dynamic != nullptr; }
+  // The loop of a producer that passes its tiles to the consumers (one thread): f(tile) for
+  // each tile this block gets, as handed out (dynamic) or round-robin, then done() once.
+  template <class F, class Done>
+  __device__ __forceinline__ void for_each_tile_to_pass(F&& f, Done&& done) const {
+    const bool dyn = dynamic();
+    for (int tile = dyn ? atomicAdd(&p_.dynamic[0], 1) : int(blockIdx.x); tile < num_tiles_;
+         tile = dyn ? atomicAdd(&p_.dynamic[0], 1) : tile + int(gridDim.x)) {
+      f(locate(tile));
+    }
+    done();
+    // Every block has taken its last number once the last one counts itself done: that one
+    // leaves the counter at zero for the next launch on the stream.
+    if (dyn && atomicAdd(&p_.dynamic[1], 1) == int(gridDim.x) - 1) {
+      atomicExch(&p_.dynamic[0], 0);
+      atomicExch(&p_.dynamic[1], 0);
+    }
   }
 
  private:
