@@ -169,6 +169,11 @@ sm90::HRowShift h_rows(const Call& c, bool own) {
   return {c.w.peer_h_shift_lo, c.w.peer_h_shift_hi, c.w.peer_h_split};
 }
 
+// The cap of a GEMM beside a copy: every round-robin grid's, not a grid whose tiles are
+// handed out as blocks ask (MEGAMOE_DYNAMIC_TILES), whose blocks kept waiting by the copy
+// just take fewer tiles (sm_count.h).
+constexpr SmLimit::Scope kBesideCopy = SmLimit::Scope::kRoundRobinGrids;
+
 // Copy SMs of the dispatch beside L1: num_comm_sms, or 16 by default (all of them would
 // leave L1 nothing until the copy ends), at most half the SMs.
 int overlap_copy_blocks(const Call& c) {
@@ -230,7 +235,7 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   const chain::Rows own = plan_rows(c, true, x);
   const bool own_rows = own.tokens > 0;  // no x rows (T = 0): no own rows either
   if (own_rows) {
-    const SmLimit cap(gemm_sms);
+    const SmLimit cap(gemm_sms, kBesideCopy);
     chain::forward_l1(own, experts, w.forward, saved_h, stream, h_rows(c, true));
   }
   MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
@@ -249,7 +254,7 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   }
   if (own_rows) {
     std::optional<SmLimit> cap;  // beside the send only
-    if (!to_peers) cap.emplace(gemm_sms);
+    if (!to_peers) cap.emplace(gemm_sms, kBesideCopy);
     chain::forward_l2(own, experts, w.forward, stream, l2_out);
   }
   if (!to_peers) {
@@ -391,7 +396,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   const chain::BackwardBuffers& b = w.backward;
   {
     std::optional<SmLimit> cap;  // beside x's rows only
-    if (x_beside) cap.emplace(gemm_sms);
+    if (x_beside) cap.emplace(gemm_sms, kBesideCopy);
     chain::backward_dgrad(rows, experts, saved_h, b, /*dx_rows=*/false, stream);
   }
   const chain::DgradDone done =
@@ -410,7 +415,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     combine_send(c, b.dx_rows, nullptr, w.dp_rows, side->stream, copy_blocks);
     MEGAMOE_CUDA_CHECK(cudaEventRecord(side->join, side->stream));
     {
-      const SmLimit cap(gemm_sms);
+      const SmLimit cap(gemm_sms, kBesideCopy);
       chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
     }
     MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side->join, 0));

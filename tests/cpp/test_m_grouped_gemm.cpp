@@ -99,6 +99,27 @@ TEST_P(MGroupedStoreGpu, MatchesCpuOnFewSms) {
 INSTANTIATE_TEST_SUITE_P(Variants, MGroupedStoreGpu, ::testing::ValuesIn(store_cases()),
                          store_case_name);
 
+// A limit of Scope::kRoundRobinGrids caps every grid but one whose tiles are handed out
+// (MEGAMOE_DYNAMIC_TILES); kEveryGrid caps both, and the smaller limit applies.
+TEST_F(MGroupedGemmGpu, SmLimitScopes) {
+  using megamoe::SmLimit;
+  const int all = megamoe::sm_count();
+  ASSERT_GT(all, 3);
+  {
+    const SmLimit beside_copy(3, SmLimit::Scope::kRoundRobinGrids);
+    EXPECT_EQ(megamoe::sm_count(), 3);
+    EXPECT_EQ(megamoe::sm_count(/*tiles_handed_out=*/true), all);
+    {
+      const SmLimit emulated(2);
+      EXPECT_EQ(megamoe::sm_count(), 2);
+      EXPECT_EQ(megamoe::sm_count(true), 2);
+    }
+    EXPECT_EQ(megamoe::sm_count(), 3);
+  }
+  EXPECT_EQ(megamoe::sm_count(), all);
+  EXPECT_EQ(megamoe::sm_count(true), all);
+}
+
 // Records what the two descriptor-stride readings of an N-major B give, so a wrong default
 // shows which reading the hardware uses.
 TEST_F(MGroupedGemmGpu, NMajorDescriptorStrideReadings) {

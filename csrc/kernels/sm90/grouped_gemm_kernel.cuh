@@ -171,7 +171,7 @@ void launch_grouped_gemm(const typename Gemm::Params& params, int64_t max_tiles,
   if constexpr (Gemm::kDynamicTiles) {
     p.scheduler.dynamic = dynamic_tile_counters(stream);  // null unless switched on
   }
-  const int sms = sm_count();
+  const int sms = sm_count(/*tiles_handed_out=*/p.scheduler.dynamic != nullptr);
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   auto* kernel = &grouped_gemm_kernel<Gemm>;
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
