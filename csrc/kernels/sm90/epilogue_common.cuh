@@ -22,7 +22,7 @@ namespace megamoe::sm90 {
 
 // Whether epilogue E keeps its GEMM on the round-robin tile order (E::kRoundRobinTilesOnly,
 // where its consumers have no registers for the dynamic order's loop: GroupedGemm's
-// kDynamicTiles).
+// kPassesTiles).
 template <class E>
 constexpr bool round_robin_tiles_only() {
   if constexpr (requires { E::kRoundRobinTilesOnly; }) {

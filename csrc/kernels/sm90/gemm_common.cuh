@@ -71,7 +71,7 @@ struct Tile {
 // The ring of shared-memory stages between the producer and the consumers: a stage's `full`
 // barrier completes when its operands have landed, its `empty` barrier when both consumer
 // warpgroups are done reading it. A producer that passes its tiles (GroupedGemm's
-// kDynamicTiles) also writes into `tile[s]` the tile whose first k-block stage s holds (a
+// kPassesTiles) also writes into `tile[s]` the tile whose first k-block stage s holds (a
 // tile without k-blocks, or expert -1 for "no more", in a stage of its own without
 // operands), before the stage's full barrier.
 template <int kStages>

@@ -37,13 +37,13 @@ struct GroupedGemm {
   static constexpr Grouping kGrouping = kGrouping_;
   using Scheduler = TileScheduler<kGrouping, Mainloop::kBlockK>;
   using Producer = sm90::Producer<Mainloop, ALoad, BLoad>;
-  // The producer passes each tile to the consumers beside its first stage, so that the
-  // tiles can be handed out as blocks ask for them when the launch has counters
+  // The producer locates each tile and passes it to the consumers beside its first stage,
+  // so that the tiles can be handed out as blocks ask for them when the launch has counters
   // (tile_counters.h), round-robin otherwise: GEMMs whose producer is one TMA thread (a
   // 128-thread gathering producer has no registers for the loop's state at its 56) and
   // whose epilogue allows it; not the FP8 weight gradients, whose consumers spill 4 bytes
-  // with it. The others walk the round-robin order in every warpgroup.
-  static constexpr bool kDynamicTiles = Producer::kThreads == 1 &&
+  // with it. In the others every warpgroup walks the round-robin order itself.
+  static constexpr bool kPassesTiles = Producer::kThreads == 1 &&
                                         !round_robin_tiles_only<Epilogue>() &&
                                         !(kGrouping == Grouping::kK && Mainloop::kScaled);
 
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The producer needs few registers: give them to the consumers' accumulators.
     setmaxnreg_dec<Mainloop::Registers::kProducerRegisters>();
     if (Producer::kThreads == 128 || threadIdx.x == 0) {
-      Producer::template run<Gemm::kDynamicTiles>(p.a, p.b, p.mainloop, scheduler, smem.tiles,
+      Producer::template run<Gemm::kPassesTiles>(p.a, p.b, p.mainloop, scheduler, smem.tiles,
                                                   smem.pipeline);
     }
     return;
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                       consumer);
     epilogue.store(t, acc);
   };
-  if constexpr (Gemm::kDynamicTiles) {
+  if constexpr (Gemm::kPassesTiles) {
     // The producer passes each tile (in either order): the consumers never locate one.
     scheduler.for_each_passed_tile(smem.pipeline, state, [&](const Tile& t) {
       // A tile without k-blocks came alone in its stage: hand the stage back.
@@ -168,7 +168,7 @@ void launch_grouped_gemm(const typename Gemm::Params& params, int64_t max_tiles,
                          cudaStream_t stream) {
   if (max_tiles <= 0) return;
   typename Gemm::Params p = params;
-  if constexpr (Gemm::kDynamicTiles) {
+  if constexpr (Gemm::kPassesTiles) {
     p.scheduler.dynamic = dynamic_tile_counters(stream);  // null unless switched on
   }
   const int sms = sm_count(/*tiles_handed_out=*/p.scheduler.dynamic != nullptr);

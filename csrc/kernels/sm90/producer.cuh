@@ -39,17 +39,14 @@ struct Producer {
       b.prefetch();
     }
     PipelineState<kStages> state;
-    // A stage without operands that carries `t` to the consumers (a tile without k-blocks,
-    // or expert -1: no more), its full barrier completed by the arrivals a filled stage gets
-    // (the TMA thread's and, from each thread, the A loader's).
+    // kPass: a stage without operands that carries `t` to the consumers (a tile without
+    // k-blocks, or expert -1: no more), its full barrier completed by the one arrival a
+    // filled stage gets from the (only) producer thread.
     const auto pass_alone = [&](const Tile& t) {
       const int s = state.stage;
       mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
-      if (tma_thread) {
-        pipe.tile[s] = t;
-        mbarrier_arrive(&pipe.full[s]);
-      }
-      if constexpr (ALoad::kArrivals > 0) mbarrier_arrive(&pipe.full[s]);
+      pipe.tile[s] = t;
+      mbarrier_arrive(&pipe.full[s]);
       state.advance();
     };
     const auto produce = [&](const Tile& t) {
@@ -70,7 +67,7 @@ struct Producer {
       }
     };
     if constexpr (kPass) {
-      static_assert(kThreads == 1);
+      static_assert(kThreads == 1 && kFullArrivals == 1);
       Tile none{};
       none.expert = -1;
       scheduler.for_each_tile_to_pass(produce, [&] { pass_alone(none); });

@@ -3,11 +3,13 @@
 // Tiles are numbered, M-tile-major, and handed out round-robin over the persistent grid
 // (tile blockIdx.x, then + gridDim.x, ...). The producer and both consumer warpgroups of a
 // block walk this one sequence through for_each_tile, so they agree on every tile and on the
-// order of the stages it fills. Or (with Params::dynamic) as blocks ask for them: the
-// producer takes the next number from a counter in global memory and passes each tile to
-// its consumers beside the tile's first stage (Pipeline::tile), so that a block that starts
-// late, its SM held by another kernel, does fewer tiles instead of ending late. Which block
-// computes a tile changes no bits.
+// order of the stages it fills. In a GEMM whose producer passes its tiles (GroupedGemm's
+// kPassesTiles), only the producer walks the order (for_each_tile_to_pass) and the consumers
+// read each tile beside its first stage (for_each_passed_tile, Pipeline::tile); then the
+// order can also be the one in which blocks ask (Params::dynamic): the producer takes the
+// next number from a counter in global memory, so that a block that starts late, its SM
+// held by another kernel, does fewer tiles instead of ending late. Which block computes a
+// tile changes no bits.
 //   Grouping::kM: tile = (M-tile, N-tile). M-tiles are the experts' row ranges cut into
 //     kBlockM rows (tile_offsets[e] is expert e's first M-tile); a tile of an expert's last
 //     M-tile may hold fewer rows. Every tile reduces the whole K.
