@@ -297,8 +297,8 @@ typedef struct megamoe_ep_group {
   int64_t max_recv_rows;        /* (token, expert) rows one rank can receive per call */
   int64_t timeout_ns;           /* how long a rank waits for a peer before failing */
   int32_t num_comm_sms;         /* SMs of the kernels that move rows between ranks; 0: all
-                                   (16 where they run beside a GEMM: the overlap switches
-                                   below) */
+                                   (16 where they run beside a GEMM: the MEGAMOE_EP_OVERLAP_*
+                                   switches, docs/expert-parallel.md) */
 } megamoe_ep_group;
 
 /* Bytes of each rank's buffer (the buffers may be NULL for this query). */
