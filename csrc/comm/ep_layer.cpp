@@ -146,6 +146,17 @@ const SideStream& side_stream_for(const Call& c) {
   return s;
 }
 
+// The side stream's next work waits for what `stream` has queued so far.
+void fork_side(const SideStream& side, cudaStream_t stream) {
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+}
+// `stream`'s next work waits for what the side stream has queued so far.
+void join_side(const SideStream& side, cudaStream_t stream) {
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+}
+
 // The rows of one of the overlapped forward's two plans: the own rows (rows 0.., gathered
 // from this rank's x) or the peers' rows (after them, gathered from the received tokens).
 chain::Rows plan_rows(const Call& c, bool own, const __nv_bfloat16* x) {
@@ -224,12 +235,10 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   const SideStream& side = side_stream_for(c);
   const int copy_blocks = overlap_copy_blocks(c);
   const int gemm_sms = std::max(1, c.sms - copy_blocks / 2);
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+  fork_side(side, stream);
   dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, side.stream,
            DispatchPart::kPeers, copy_blocks);
   comm::phase_barrier(g.peers, comm::Phase::kDispatch, g.timeout_ns, c.error, side.stream);
-  MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
   const sm90::PeerRowsOut out = to_peers ? l2_to_peers(c) : sm90::PeerRowsOut{};
   const sm90::PeerRowsOut* l2_out = to_peers ? &out : nullptr;
   const chain::Rows own = plan_rows(c, true, x);
@@ -238,7 +247,7 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
     const SmLimit cap(gemm_sms, kBesideCopy);
     chain::forward_l1(own, experts, w.forward, saved_h, stream, h_rows(c, true));
   }
-  MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+  join_side(side, stream);
   const chain::Rows peer = plan_rows(c, false, x);
   if (peer.tokens > 0) {
     chain::forward_l1(peer, experts, w.forward, saved_h, stream, h_rows(c, false));
@@ -246,11 +255,9 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   }
   const float* row_weights = at<const float>(c.own(), c.buffer.recv_weight);
   if (!to_peers) {
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.fork, stream));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.fork, 0));
+    fork_side(side, stream);
     combine_send(c, w.forward.out, row_weights, nullptr, side.stream, copy_blocks,
                  DispatchPart::kPeers);
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side.join, side.stream));
   }
   if (own_rows) {
     std::optional<SmLimit> cap;  // beside the send only
@@ -259,7 +266,7 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   }
   if (!to_peers) {
     combine_send(c, w.forward.out, row_weights, nullptr, stream, 0, DispatchPart::kSelf);
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side.join, 0));
+    join_side(side, stream);
   }
   return c;
 }
@@ -384,12 +391,10 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   const int copy_blocks = overlap_copy_blocks(c);
   const int gemm_sms = std::max(1, c.sms - copy_blocks / 2);
   if (x_beside) {
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->fork, stream));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+    fork_side(*side, stream);
     dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, side->stream,
              DispatchPart::kAll, copy_blocks, /*metadata=*/false);
     comm::phase_barrier(g.peers, comm::Phase::kDispatchX, g.timeout_ns, c.error, side->stream);
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->join, side->stream));
   }
   fill_identity(c, w.identity, R, stream);
   const chain::Rows rows = received_rows(c, w.identity);
@@ -402,7 +407,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   const chain::DgradDone done =
       chain::backward_dgrad_l1(rows, experts, b, stream, /*d_w_gate_up_wanted=*/true);
   reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
-  if (x_beside) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side->join, 0));
+  if (x_beside) join_side(*side, stream);
   // The dx rows are apart from what the weight gradients write when carved so (bf16) or
   // when those read the token matrices in place (FP8, unless a diagnostic switch says not).
   const bool apart = b.dx_rows != b.token_rows || !chain::wgrad_writes_token_rows(experts);
@@ -410,15 +415,13 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     // The dx send on the side stream's copy blocks, launched first so that they find their
     // SMs; the weight gradients beside it on the others (SmLimit). Neither writes what the
     // other reads, and each output's bits are as in the default order.
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->fork, stream));
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+    fork_side(*side, stream);
     combine_send(c, b.dx_rows, nullptr, w.dp_rows, side->stream, copy_blocks);
-    MEGAMOE_CUDA_CHECK(cudaEventRecord(side->join, side->stream));
     {
       const SmLimit cap(gemm_sms, kBesideCopy);
       chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
     }
-    MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, side->join, 0));
+    join_side(*side, stream);
   } else {
     combine_send(c, b.dx_rows, nullptr, w.dp_rows, stream);
     // The weight gradients stay here: they run while the peers finish.
