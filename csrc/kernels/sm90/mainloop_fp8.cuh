@@ -176,7 +176,7 @@ struct MainloopFp8 {
                                                  float (&sum)[kAccumulators], const float (&sa)[2],
                                                  float sb_lo, float sb_hi) {
     const int group = g * kPartials;  // g is a constant once the caller's loop unrolls
-    if constexpr (kBRowScales) {
+    if constexpr (kBRowScales && false) {
       const float* b_row_scales = tiles.b_scales[state.stage] + g * 128 + Fragment::col0();
 #pragma unroll
       for (int q = 0; q < 128 / 8; ++q) {
@@ -189,6 +189,13 @@ struct MainloopFp8 {
         }
       }
     } else {
+      // Probe (not for use: wrong values): the weight gradients promoted as the block-scaled
+      // GEMMs are, one B scale per 64 columns read from the stage, to time what the
+      // per-column B scale costs them.
+      if constexpr (kBRowScales) {
+        sb_lo = tiles.b_scales[state.stage][g * 128];
+        sb_hi = tiles.b_scales[state.stage][g * 128 + 64];
+      }
       const float scale[2][2] = {{sa[0] * sb_lo, sa[1] * sb_lo}, {sa[0] * sb_hi, sa[1] * sb_hi}};
 #pragma unroll
       for (int q = 0; q < 128 / 8; ++q) {
