@@ -102,10 +102,12 @@ Fp8QuantizeArgs columns_args(const __nv_bfloat16* x, int64_t padded_rows, int64_
   return q;
 }
 
-// x [padded_rows, cols] bf16 -> the token-contiguous copy [cols, padded_rows].
+// x [padded_rows, cols] bf16 -> the token-contiguous copy [cols, padded_rows], with a scale
+// per column and 128 rows (kColumns128) or per 128 x 128 tile (kColumnTiles128).
 void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
-                      const Fp8Columns& out, cudaStream_t stream) {
-  quantize_fp8(Fp8Blocks::kColumns128, columns_args(x, padded_rows, cols, out), stream);
+                      const Fp8Columns& out, cudaStream_t stream,
+                      Fp8Blocks blocks = Fp8Blocks::kColumns128) {
+  quantize_fp8(blocks, columns_args(x, padded_rows, cols, out), stream);
 }
 
 // A diagnostic switch of the FP8 chain: set to anything but "" or "0". Read on every call
@@ -130,6 +132,15 @@ bool fp8_unfused_columns() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_COLS"
 // bits are the same.
 bool fp8_unfused_quantization() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_QUANT"); }
 
+// MEGAMOE_FP8_WGRAD_TILES set (and not "0"), opt-in: the FP8 weight gradients' activation
+// operands (x for dW_gate_up, a for dW_down) quantized in 128 x 128 tiles (128 channels x
+// 128 tokens) instead of per channel and 128 tokens, so that their GEMMs promote each
+// k-block with one scale per 128 columns rather than a product of two scales per element
+// (b_tile_scales of k_grouped_fp8_gemm_tn). Coarser than the recipe: docs/fp8.md says what
+// it costs and buys. The gradient operands (dh, p dy) keep their per-channel scales. Read
+// on every call, like the diagnostic switches.
+bool fp8_wgrad_tiles() { return diagnostic_switch("MEGAMOE_FP8_WGRAD_TILES"); }
+
 // The padded rows of the plan over a token matrix (x, or dy scaled by the rows' slot
 // weights: p dy), [padded_rows, cols] as gather_rows_padded writes them, quantized into
 // the token-contiguous copy `out` without the bf16 copy (or, with fp8_unfused_columns(),
@@ -137,11 +148,12 @@ bool fp8_unfused_quantization() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_
 // unfused path (from whatever `padded` holds there); the K-grouped GEMMs read none.
 void quantize_token_columns(const Rows& r, const __nv_bfloat16* tokens,
                             const float* slot_weights, int64_t cols, int64_t padded_rows,
-                            __nv_bfloat16* padded, const Fp8Columns& out, cudaStream_t stream) {
+                            __nv_bfloat16* padded, const Fp8Columns& out, cudaStream_t stream,
+                            Fp8Blocks blocks = Fp8Blocks::kColumns128) {
   if (fp8_unfused_columns()) {
     gather_rows_padded(tokens, cols, r.plan, r.num_experts, slot_weights, padded_rows, padded,
                        stream);
-    quantize_columns(padded, padded_rows, cols, out, stream);
+    quantize_columns(padded, padded_rows, cols, out, stream, blocks);
     return;
   }
   Fp8PaddedSource src;
@@ -151,7 +163,8 @@ void quantize_token_columns(const Rows& r, const __nv_bfloat16* tokens,
   src.row_slot = r.plan.row_slot;
   src.slot_weights = slot_weights;
   src.num_experts = r.num_experts;
-  quantize_fp8_columns_gathered(columns_args(tokens, padded_rows, cols, out), src, stream);
+  quantize_fp8_columns_gathered(columns_args(tokens, padded_rows, cols, out), src, stream,
+                                blocks);
 }
 
 // W [E, N, K] (scales [E, N/128, K/128]) as the B of an nt GEMM (B_e = W_e: the GEMM's n
@@ -422,24 +435,27 @@ void backward_wgrad(const Rows& rows, const Experts& w, const BackwardBuffers& b
     // lhs, dh's copy, may be in lhs_fp8 already (written with dh's rows by the dgrad),
     // and dW_down's p dy goes into the same bytes. The order changes no bits (two
     // separate outputs).
+    const bool tiles = fp8_wgrad_tiles();
+    const Fp8Blocks rhs_blocks = tiles ? Fp8Blocks::kColumnTiles128 : Fp8Blocks::kColumns128;
     const auto gemm = [&](int64_t m, int64_t n, const WeightGrad& g) {
       sm90::KGroupedFp8GemmArgs args{b.lhs_fp8.q, b.lhs_fp8.scales, b.rhs_fp8.q,
                                      b.rhs_fp8.scales, b.padded_rows, m, n, E,
                                      rows.plan.tile_offsets};
       args.c = g.bf16;
       args.c_accumulate = g.f32;
+      args.b_tile_scales = tiles;
       sm90::k_grouped_fp8_gemm_tn(args, stream);
     };
     if (d_w_gate_up.wanted()) {
       if (!done.dh_columns) quantize_columns(b.dh, b.padded_rows, 2 * I, b.lhs_fp8, stream);
       quantize_token_columns(rows, rows.x, nullptr, H, b.padded_rows, b.token_rows, b.rhs_fp8,
-                             stream);
+                             stream, rhs_blocks);
       gemm(2 * I, H, d_w_gate_up);
     }
     if (d_w_down.wanted()) {
       quantize_token_columns(rows, rows.dy, rows.slot_weights, H, b.padded_rows, b.token_rows,
                              b.lhs_fp8, stream);
-      quantize_columns(b.a, b.padded_rows, I, b.rhs_fp8, stream);
+      quantize_columns(b.a, b.padded_rows, I, b.rhs_fp8, stream, rhs_blocks);
       gemm(H, I, d_w_down);
     }
     return;

@@ -17,6 +17,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "gemm_test_util.h"
@@ -397,10 +399,12 @@ TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUBackwardGpu, ::testing::ValuesIn(fp8_cases()),
                          fp8_case_name);
 
-class Fp8WeightGradGpu : public megamoe_test::GpuTest, public ::testing::WithParamInterface<bool> {};
+// (fp32 added into, b's scales in 128 x 128 tiles: b_tile_scales)
+class Fp8WeightGradGpu : public megamoe_test::GpuTest,
+                         public ::testing::WithParamInterface<std::tuple<bool, bool>> {};
 
 TEST_P(Fp8WeightGradGpu, MatchesDequantizedProduct) {
-  const bool accumulate = GetParam();
+  const auto [accumulate, tile_scales] = GetParam();
   const uint64_t seed = megamoe_test::fresh_seed();
   SEEDED(seed);
   std::mt19937_64 rng(seed);
@@ -412,8 +416,13 @@ TEST_P(Fp8WeightGradGpu, MatchesDequantizedProduct) {
     // a_t [M, P] and b_t [N, P] token-contiguous; scales [P / 128, M] and [P / 128, N].
     Quantized a = random_quantized(M * P, PB * M, [&](int64_t i) { return (i % P) / 128 * M + i / P; },
                                    rng, 1.0);
-    Quantized b = random_quantized(N * P, PB * N, [&](int64_t i) { return (i % P) / 128 * N + i / P; },
-                                   rng, 1.0 / 16);
+    // With tile_scales, each 128 x 128 tile of b takes its first column's scale, which is
+    // then repeated at each of its columns' places.
+    const int64_t b_tile = tile_scales ? 128 : 1;
+    Quantized b = random_quantized(
+        N * P, PB * N, [&](int64_t i) { return (i % P) / 128 * N + i / P / b_tile * b_tile; },
+        rng, 1.0 / 16);
+    for (int64_t k = 0; k < PB * N; ++k) b.scales[k] = b.scales[k / N * N + k % N / b_tile * b_tile];
     // Pad rows (tokens) are zeros, as the quantizer writes them.
     const std::vector<bool> used = g.padded_rows_used();
     for (int64_t r = 0; r < P; ++r) {
@@ -435,6 +444,7 @@ TEST_P(Fp8WeightGradGpu, MatchesDequantizedProduct) {
     args.n = N;
     args.num_experts = E;
     args.tile_offsets = upload(g.tiles);
+    args.b_tile_scales = tile_scales;
     if (accumulate) {
       args.c_accumulate = upload(c0);
     } else {
@@ -470,9 +480,11 @@ TEST_P(Fp8WeightGradGpu, MatchesDequantizedProduct) {
     }
   }
 }
-INSTANTIATE_TEST_SUITE_P(Outputs, Fp8WeightGradGpu, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? std::string("f32add") : std::string("bf16");
+INSTANTIATE_TEST_SUITE_P(Outputs, Fp8WeightGradGpu,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
+                           return std::string(std::get<0>(info.param) ? "f32add" : "bf16") +
+                                  (std::get<1>(info.param) ? "_tile_scales" : "");
                          });
 
 TEST(Fp8GemmArgs, RejectsBadShapes) {

@@ -437,6 +437,9 @@ namespace {
 
 class QuantizeFp8GatheredColumns : public GpuTest {
  protected:
+  // The blocks of both quantizations: kColumns128, or kColumnTiles128.
+  megamoe::Fp8Blocks blocks_ = megamoe::Fp8Blocks::kColumns128;
+
   // T tokens of H columns routed by `ids` ([T, k], -1 drops a slot) through a routing plan
   // (build_routing_plan, block_m 128); with `weighted`, each row scaled by its slot's
   // weight. gather_rows_padded into a NaN-poisoned bf16 buffer and quantize_fp8
@@ -493,7 +496,7 @@ class QuantizeFp8GatheredColumns : public GpuTest {
     unfused.x = rows;
     unfused.x_row = H;
     poisoned(unfused.q_t, unfused.scales);
-    megamoe::quantize_fp8(megamoe::Fp8Blocks::kColumns128, unfused, stream_);
+    megamoe::quantize_fp8(blocks_, unfused, stream_);
 
     megamoe::Fp8QuantizeArgs fused = a;
     fused.x = x_d;
@@ -506,7 +509,7 @@ class QuantizeFp8GatheredColumns : public GpuTest {
     src.row_slot = plan.row_slot;
     src.slot_weights = w_d;
     src.num_experts = E;
-    megamoe::quantize_fp8_columns_gathered(fused, src, stream_);
+    megamoe::quantize_fp8_columns_gathered(fused, src, stream_, blocks_);
 
     const std::vector<uint8_t> want_q = download(unfused.q_t, H * padded),
                                got_q = download(fused.q_t, H * padded);
@@ -573,6 +576,21 @@ TEST_F(QuantizeFp8GatheredColumns, EqualsGatherThenQuantizeOnFewCtas) {
     const megamoe::SmLimit limit(sms);
     check_cases(cases);
     check(4, 2, 256, 3, std::vector<int32_t>(8, -1), true, fresh_seed());
+  }
+}
+
+// The same in 128 x 128 tiles (kColumnTiles128, the weight gradients' opt-in activation
+// operand): one scale per tile, at each of its columns' places.
+TEST_F(QuantizeFp8GatheredColumns, InTilesEqualsGatherThenQuantize) {
+  blocks_ = megamoe::Fp8Blocks::kColumnTiles128;
+  std::vector<RoutingCase> cases = routing_cases();
+  cases.push_back({1000, 2, 384, 1, -1, 0});
+  check_cases(cases);
+  check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, true, fresh_seed());
+  for (const int sms : {1, 3}) {
+    SCOPED_TRACE("SmLimit " + std::to_string(sms));
+    const megamoe::SmLimit limit(sms);
+    check_cases({{700, 8, 512, 128, 9, 5}});
   }
 }
 
@@ -823,6 +841,65 @@ TEST_F(QuantizeFp8RowsAndColumns, EqualsTheSeparateQuantizersOnFewCtas) {
     SCOPED_TRACE("SmLimit " + std::to_string(sms));
     const megamoe::SmLimit limit(sms);
     check_cases(cases);
+  }
+}
+
+// kColumnTiles128 against kTiles128's transposed copy of the same matrix (kTiles128's bits
+// are checked against the reference quantizer in tests/python/test_fp8_kernels.py): every
+// byte of q_t equal, and each column's scale of a row block the bits of its tile's scale;
+// outputs poisoned beforehand. The awkward tiles of awkward_matrix: all zeros, one value
+// of bf16's largest magnitude, a NaN or an Inf, subnormals only, magnitudes changing by row.
+class QuantizeFp8ColumnTiles : public GpuTest {};
+
+TEST_F(QuantizeFp8ColumnTiles, EqualsTilesTransposed) {
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {128, 128}, {256, 384}, {1024, 256}, {2048, 1536}}) {
+    const uint64_t seed = fresh_seed();
+    SEEDED(seed);
+    SCOPED_TRACE("rows=" + std::to_string(rows) + " cols=" + std::to_string(cols));
+    std::mt19937_64 rng(seed);
+    const RowsColumnsCase c{1, {}, rows, cols, cols};
+    const std::vector<uint16_t> x = awkward_matrix(c, rng);
+    const int64_t row_blocks = rows / 128, col_blocks = cols / 128;
+    megamoe::Fp8QuantizeArgs a;
+    a.x = reinterpret_cast<const __nv_bfloat16*>(upload(x));
+    a.x_row = cols;
+    a.rows = rows;
+    a.cols = cols;
+    a.t_row = rows;
+    const auto poisoned = [&](megamoe::Fp8QuantizeArgs& q, int64_t scales) {
+      q.q_t = alloc<uint8_t>(rows * cols);
+      q.scales = alloc<float>(scales);
+      CUDA_OK(cudaMemset(q.q_t, kPoisonByte, rows * cols));
+      CUDA_OK(cudaMemset(q.scales, 0x7b, scales * sizeof(float)));
+    };
+    megamoe::Fp8QuantizeArgs tiles = a;  // scale of tile (i, j) at i * col_blocks + j
+    tiles.s_0 = col_blocks;
+    tiles.s_1 = 1;
+    poisoned(tiles, row_blocks * col_blocks);
+    megamoe::Fp8QuantizeArgs column_tiles = a;  // of (column c, row block i) at i * cols + c
+    column_tiles.s_0 = 1;
+    column_tiles.s_1 = cols;
+    poisoned(column_tiles, row_blocks * cols);
+    ASSERT_FALSE(HasFailure());
+    megamoe::quantize_fp8(megamoe::Fp8Blocks::kTiles128, tiles, stream_);
+    megamoe::quantize_fp8(megamoe::Fp8Blocks::kColumnTiles128, column_tiles, stream_);
+    EXPECT_EQ(download(column_tiles.q_t, rows * cols), download(tiles.q_t, rows * cols));
+    const std::vector<float> want = download(tiles.scales, row_blocks * col_blocks),
+                             got = download(column_tiles.scales, row_blocks * cols);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < row_blocks; ++i) {
+      for (int64_t col = 0; col < cols; ++col) {
+        uint32_t g, w;
+        std::memcpy(&g, &got[i * cols + col], 4);
+        std::memcpy(&w, &want[i * col_blocks + col / 128], 4);
+        if (g != w && bad++ < 5) {
+          ADD_FAILURE() << "scale of column " << col << " row block " << i << ": " << std::hex
+                        << g << ", expected " << w;
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0);
   }
 }
 

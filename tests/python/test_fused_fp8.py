@@ -291,3 +291,30 @@ def test_release_after_backward_drops_the_copies_a_backward_used():
     finally:
         cache.release_after_backward = False
         cache.invalidate()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_wgrad_tiles_change_only_the_weight_gradients(preset, precision, monkeypatch):
+    """MEGAMOE_FP8_WGRAD_TILES=1 (opt-in, read on every call; docs/fp8.md): the weight
+    gradients' activation operands (x, a) quantized in 128 x 128 tiles instead of per
+    channel and 128 tokens. Every output within the bound against float64; y, dx and
+    d topk_weights bitwise the default's (only the weight gradients' GEMMs change)."""
+    H, I, E, k = PRESETS[preset]
+    p = make_problem(4096, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=4099,
+                     invalid_fraction=0.02, skip_experts=(5,))
+    monkeypatch.delenv("MEGAMOE_FP8_WGRAD_TILES", raising=False)
+    y0, g0 = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                            backward_mode="saved")
+    monkeypatch.setenv("MEGAMOE_FP8_WGRAD_TILES", "1")
+    print(preset, precision)
+    _, g1 = _check_against_float64(p, backend="fused", precision=precision,
+                                   backward_mode="saved")
+    y1, _ = run_with_grads(megamoe.moe, p, backend="fused", precision=precision,
+                           backward_mode="saved")
+    assert torch.equal(y0, y1)
+    for name in ("x", "topk_weights"):
+        assert torch.equal(g0[name], g1[name]), name
+    for name in ("w_gate_up", "w_down"):
+        assert not torch.equal(g0[name], g1[name]), name  # the switch took effect
+        assert torch.all(g1[name][5] == 0), name

@@ -61,6 +61,7 @@ struct TileSmem {
   alignas(16) uint8_t staged[kTile * kTile];
   uint32_t partial_max[kWarps][kColGroups * 4];
   float column_r[kTile];
+  uint32_t tile_max[2];  // kColumnTiles128: the maxima of the two warps that hold the columns'
 };
 
 struct TilePos {
@@ -218,15 +219,17 @@ __device__ __forceinline__ void scale_gathered(const Fp8PaddedSource& p, const G
 // both the stores and the 16-byte reads are free of bank conflicts).
 //
 // A CTA that quantizes tile after tile reuses the shared memory without a barrier of its
-// own (kColumns128): each array is written for the next tile only past a barrier that
-// follows every read of it for this one. partial_max, read before this tile's second
-// barrier, is written after its third; column_r (read before the third) and staged (read
-// after it) are written after the next tile's first.
+// own (kColumns128, kColumnTiles128): each array is written for the next tile only past a
+// barrier that follows every read of it for this one. partial_max, read before this tile's
+// second barrier, is written after its third; column_r (read before the third) and staged
+// (read after it) are written after the next tile's first; tile_max (kColumnTiles128 has a
+// barrier between its write and its reads, before the column_r one) after the next tile's
+// first.
 struct NoHook {
   __device__ void operator()() const {}
 };
 
-// after_max (kColumns128): called once this thread's values have all been read (into the
+// after_max (kColumns128, kColumnTiles128): called once this thread's values have all been read (into the
 // column maxima), before the tile's first barrier: the gathered kernel issues the next
 // tile's loads into the slots they came from there.
 template <Fp8Blocks kBlocks, bool kToRows, typename AfterMax = NoHook>
@@ -300,16 +303,36 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
       for (int w = 0; w < 4; ++w) sm.partial_max[warp][4 * cg + w] = c[w];
     }
     __syncthreads();
-    if (threadIdx.x < kColGroups * 4) {  // two columns each: 2t and 2t + 1
+    constexpr bool kTileScale = kBlocks == Fp8Blocks::kColumnTiles128;
+    if (threadIdx.x < kColGroups * 4) {  // two columns each: 2t and 2t + 1 (warps 0 and 1)
       uint32_t m = sm.partial_max[0][threadIdx.x];
 #pragma unroll
       for (int w = 1; w < kWarps; ++w) m = max_halves(m, sm.partial_max[w][threadIdx.x]);
+      if constexpr (kTileScale) {
+        m = max_of_halves(m);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int col = 2 * threadIdx.x + h;
-        const Fp8BlockScale s = fp8_block_scale_bf16(h ? m >> 16 : m & 0xFFFFu);
-        sm.column_r[col] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
-        scales[(col0 + col) * a.s_0 + ti * a.s_1] = s.scale;
+        for (int off = 1; off < 32; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
+        if (lane == 0) sm.tile_max[warp] = m;
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = 2 * threadIdx.x + h;
+          const Fp8BlockScale s = fp8_block_scale_bf16(h ? m >> 16 : m & 0xFFFFu);
+          sm.column_r[col] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
+          scales[(col0 + col) * a.s_0 + ti * a.s_1] = s.scale;
+        }
+      }
+    }
+    if constexpr (kTileScale) {
+      __syncthreads();
+      if (threadIdx.x < kColGroups * 4) {
+        const Fp8BlockScale s = fp8_block_scale_bf16(max(sm.tile_max[0], sm.tile_max[1]));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = 2 * threadIdx.x + h;
+          sm.column_r[col] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
+          scales[(col0 + col) * a.s_0 + ti * a.s_1] = s.scale;
+        }
       }
     }
     __syncthreads();
@@ -328,7 +351,9 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
     }
   }
 
-  if (kBlocks != Fp8Blocks::kColumns128 && a.q != nullptr) {
+  constexpr bool kTransposedOnly =
+      kBlocks == Fp8Blocks::kColumns128 || kBlocks == Fp8Blocks::kColumnTiles128;
+  if (!kTransposedOnly && a.q != nullptr) {
     uint8_t* qb = a.q + t.b * a.q_batch + col0 + 8 * cg;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
@@ -399,7 +424,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
                         std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
   static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
-  static_assert(!kGathered || (kBlocks == Fp8Blocks::kColumns128 && !kToRows));
+  static_assert(!kGathered || ((kBlocks == Fp8Blocks::kColumns128 ||
+                                 kBlocks == Fp8Blocks::kColumnTiles128) && !kToRows));
   __shared__ TileSmem sm;
   const int32_t no_dests[kRowsPerThread] = {};  // (for the kernels without destinations)
 
@@ -580,7 +606,8 @@ void check_pointers(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows,
   if (blocks == Fp8Blocks::kRows1x128 && (!direct || transposed)) {
     fail(who + "needs q and no q_t");
   }
-  if (blocks == Fp8Blocks::kColumns128 && (direct || !transposed)) {
+  if ((blocks == Fp8Blocks::kColumns128 || blocks == Fp8Blocks::kColumnTiles128) &&
+      (direct || !transposed)) {
     fail(who + "needs q_t and no q");
   }
   if (blocks == Fp8Blocks::kTiles128 && !direct && !transposed) fail(who + "needs q or q_t");
@@ -649,17 +676,23 @@ void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t strea
     case Fp8Blocks::kColumns128:
       quantize_fp8_kernel<Fp8Blocks::kColumns128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
+    case Fp8Blocks::kColumnTiles128:
+      quantize_fp8_kernel<Fp8Blocks::kColumnTiles128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
+      break;
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSource& src,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, Fp8Blocks blocks) {
+  if (blocks != Fp8Blocks::kColumns128 && blocks != Fp8Blocks::kColumnTiles128) {
+    fail("a gathered column quantization takes kColumns128 or kColumnTiles128 blocks");
+  }
   if (a.batches != 1) fail("a gathered column quantization takes one matrix (batches = 1)");
   if (src.num_experts < 1 || src.num_experts > INT_MAX) {
     fail("src.num_experts must be in [1, 2^31)");
   }
-  const unsigned grid = checked_grid(Fp8Blocks::kColumns128, a, false);
+  const unsigned grid = checked_grid(blocks, a, false);
   if (grid == 0) return;
   // x's rows are tokens, any of which a padded row may name: its stride is always used.
   if (a.x_row % 8) fail("row and batch strides must be multiples of 16 bytes");
@@ -667,9 +700,19 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
       (src.slot_weights && !src.row_slot)) {
     fail("null routing plan pointer in src");
   }
-  constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kColumns128, false, true>;
-  kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
-      a, row_tiles_of(a), a.cols / kTile, src);
+  const auto launch = [&](auto tile_scales) {
+    constexpr auto kernel =
+        &quantize_fp8_kernel<decltype(tile_scales)::value ? Fp8Blocks::kColumnTiles128
+                                                          : Fp8Blocks::kColumns128,
+                             false, true>;
+    kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
+        a, row_tiles_of(a), a.cols / kTile, src);
+  };
+  if (blocks == Fp8Blocks::kColumnTiles128) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

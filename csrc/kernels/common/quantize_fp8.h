@@ -16,6 +16,10 @@ enum class Fp8Blocks {
   kRows1x128,    // one row x 128 columns (activations, activation gradients)
   kTiles128,     // 128 x 128 (weights)
   kColumns128,   // 128 rows x one column, written transposed (weight-gradient operands)
+  // 128 x 128, written transposed as kColumns128 is, with the tile's scale at each of its
+  // 128 columns' places (a weight gradient's activation operand, b_tile_scales of
+  // k_grouped_fp8_gemm_tn: the opt-in MEGAMOE_FP8_WGRAD_TILES of the FP8 chain).
+  kColumnTiles128,
 };
 
 // A batch of `batches` bf16 matrices [rows, cols] and where their quantized copies go.
@@ -26,17 +30,18 @@ struct Fp8QuantizeArgs {
   const __nv_bfloat16* x = nullptr;
   int64_t x_batch = 0, x_row = 0;
   int64_t batches = 1, rows = 0, cols = 0;
-  // Direct copy [b][rows][cols] (kRows1x128, kTiles128; null for kColumns128, optional
-  // for kTiles128).
+  // Direct copy [b][rows][cols] (kRows1x128, kTiles128; null for kColumns128 and
+  // kColumnTiles128, optional for kTiles128).
   uint8_t* q = nullptr;
   int64_t q_batch = 0, q_row = 0;
   // Transposed copy [b][cols][padded_rows] with padded_rows = rows rounded up to 128, pad
-  // columns written as zeros (kColumns128; optional for kTiles128, null for kRows1x128).
+  // columns written as zeros (kColumns128, kColumnTiles128; optional for kTiles128, null
+  // for kRows1x128).
   uint8_t* q_t = nullptr;
   int64_t t_batch = 0, t_row = 0;
   // Scale of block (b, i, j) at scales[b * s_batch + i * s_0 + j * s_1], with (i, j) =
   // (row, column block) for kRows1x128, (row block, column block) for kTiles128, and
-  // (column, row block) for kColumns128. Any strides.
+  // (column, row block) for kColumns128 and kColumnTiles128. Any strides.
   float* scales = nullptr;
   int64_t s_batch = 0, s_0 = 0, s_1 = 0;
 };
@@ -114,7 +119,9 @@ struct Fp8PaddedSource {
 // tile_offsets[E] on (whose bf16 rows gather_rows_padded leaves untouched) are not
 // written: neither their columns of q_t nor their scales. A separate kernel instance, as
 // quantize_fp8_to_rows.
+// blocks: kColumns128, or kColumnTiles128 for the same rows in 128 x 128 tiles.
 void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& args, const Fp8PaddedSource& src,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream,
+                                   Fp8Blocks blocks = Fp8Blocks::kColumns128);
 
 }  // namespace megamoe

@@ -91,6 +91,11 @@ int64_t fp8_swiglu_backward_dp_columns(int64_t n, bool gathered);
 //   a_t [m, padded_rows] e4m3, a_scales [padded_rows / 128, m] (column i, rows 128j.. at
 //   a_scales[j * m + i]); b_t [n, padded_rows], b_scales [padded_rows / 128, n].
 // m, n multiples of 128; C as in k_grouped_gemm_tn (bf16 written, or fp32 added into).
+// b_tile_scales: b was quantized in 128 x 128 tiles (Fp8Blocks::kColumnTiles128: b_scales
+// equal over each 128 of b's columns j), so that each k-block is promoted with one b scale
+// per 128 columns of C instead of a product of two scales per element (about 20% of the
+// kernel's time on the presets). The scales are not checked: with b_tile_scales and
+// scales that differ within a tile, C is wrong.
 struct KGroupedFp8GemmArgs {
   const __nv_fp8_e4m3* a_t = nullptr;
   const float* a_scales = nullptr;
@@ -102,6 +107,7 @@ struct KGroupedFp8GemmArgs {
   const int32_t* tile_offsets = nullptr;
   __nv_bfloat16* c = nullptr;
   float* c_accumulate = nullptr;
+  bool b_tile_scales = false;
 };
 void k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream);
 

@@ -77,8 +77,9 @@ using MGroupedFp8GemmNtSwiGLU =
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLUBackward =
     MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
-template <int kBlockN>
-using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<BScales::kRows, BColumns::kContiguous, kBlockN>,
+// kBScales: kRows, or kRowTiles for B quantized in 128 x 128 tiles (gemm_fp8.h).
+template <int kBlockN, BScales kBScales = BScales::kRows>
+using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<kBScales, BColumns::kContiguous, kBlockN>,
                                        WeightGradEpilogue<kBlockN>>;
 
 }  // namespace megamoe::sm90

@@ -34,8 +34,8 @@ void k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& w, cudaStream_t stream) {
   }
   if (w.padded_rows == 0 || w.num_experts == 0) return;
   // 256-wide tiles where N allows (gemm_variants.cuh).
-  const auto run = [&](auto block_n) {
-    using Gemm = KGroupedFp8GemmTn<decltype(block_n)::value>;
+  const auto run = [&](auto block_n, auto b_scales) {
+    using Gemm = KGroupedFp8GemmTn<decltype(block_n)::value, decltype(b_scales)::value>;
     typename Gemm::Params p{};
     p.scheduler = Gemm::Scheduler::k_grouped(w.tile_offsets, w.num_experts, w.m, w.n / block_n);
     p.a = Gemm::ALoad::params(w.a_t, w.m, w.padded_rows, false, w.a_scales, w.m);
@@ -44,10 +44,17 @@ void k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& w, cudaStream_t stream) {
     p.epilogue = Gemm::Epilogue::params(w.c, w.c_accumulate, w.num_experts * w.m, w.n);
     launch_grouped_gemm<Gemm>(p, Gemm::Scheduler::max_tiles(p.scheduler, 0), stream);
   };
-  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && w.n % 256 == 0) {
-    run(std::integral_constant<int, 256>{});
+  const auto run_n = [&](auto b_scales) {
+    if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && w.n % 256 == 0) {
+      run(std::integral_constant<int, 256>{}, b_scales);
+    } else {
+      run(std::integral_constant<int, 128>{}, b_scales);
+    }
+  };
+  if (w.b_tile_scales) {
+    run_n(std::integral_constant<BScales, BScales::kRowTiles>{});
   } else {
-    run(std::integral_constant<int, 128>{});
+    run_n(std::integral_constant<BScales, BScales::kRows>{});
   }
 }
 

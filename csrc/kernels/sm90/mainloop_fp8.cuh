@@ -3,7 +3,10 @@
 // blocks), brought into each stage by the A loader. B has either one scale per 128 x 128
 // block of the expert's weight (kBlocks128; read from global memory, one scalar per k-block
 // and 128 columns of the tile), or one per row and k-block like A (kRows: the weight
-// gradients, whose B is an activation; brought into the stage by the B loader).
+// gradients, whose B is an activation; brought into the stage by the B loader). kRowTiles is
+// kRows with each 128 rows' scales equal (the activation quantized in 128 x 128 tiles, its
+// tile's scale repeated for each row): promoted with one scale per 128 columns, as
+// kBlocks128, instead of a product sa * sb per element.
 //
 // Hopper's FP8 wgmma keeps fewer bits than fp32 while it accumulates, so each k-block's
 // partial products go into scratch accumulators, which are then scaled and added into the
@@ -29,7 +32,7 @@
 
 namespace megamoe::sm90 {
 
-enum class BScales { kBlocks128, kRows };
+enum class BScales { kBlocks128, kRows, kRowTiles };
 
 template <BScales kBScales_, BColumns kBColumns_ = BColumns::kContiguous, int kBlockN_ = 128>
 struct MainloopFp8 {
@@ -43,7 +46,7 @@ struct MainloopFp8 {
   static constexpr Major kBMajor = Major::kK;
   static constexpr int kBlockK = 128;  // one scale block; 128 bytes of a row
   static constexpr bool kScaled = true;
-  static constexpr bool kBRowScales = kBScales == BScales::kRows;
+  static constexpr bool kBRowScales = kBScales != BScales::kBlocks128;  // in the stage
   static constexpr int kBRowScaleSlots = kBRowScales ? kBlockN : 4;
   // A's scales of a stage: a TMA box starts at a multiple of 4 rows, up to 3 before the
   // tile's first (sorted rows), so it holds 128 + 4; slots are kept 128-byte aligned.
@@ -167,8 +170,9 @@ struct MainloopFp8 {
     }
   }
 
-  // sum[group g's columns] += partial * sa * sb: B's scale per row (the stage's) or one
-  // per 128 x 128 block (sb_lo for the group's first 64 columns, sb_hi for the others).
+  // sum[group g's columns] += partial * sa * sb: B's scale per row (kRows: the stage's) or
+  // one per 128 x 128 block (sb_lo for the group's first 64 columns, sb_hi for the others;
+  // kRowTiles: the stage's first row's of the group, for all of them).
   template <int kStages>
   __device__ __forceinline__ static void promote(const Tiles<kStages>& tiles,
                                                  const PipelineState<kStages>& state, int g,
@@ -176,7 +180,7 @@ struct MainloopFp8 {
                                                  float (&sum)[kAccumulators], const float (&sa)[2],
                                                  float sb_lo, float sb_hi) {
     const int group = g * kPartials;  // g is a constant once the caller's loop unrolls
-    if constexpr (kBRowScales) {
+    if constexpr (kBScales == BScales::kRows) {
       const float* b_row_scales = tiles.b_scales[state.stage] + g * 128 + Fragment::col0();
 #pragma unroll
       for (int q = 0; q < 128 / 8; ++q) {
@@ -189,6 +193,9 @@ struct MainloopFp8 {
         }
       }
     } else {
+      if constexpr (kBScales == BScales::kRowTiles) {
+        sb_lo = sb_hi = tiles.b_scales[state.stage][g * 128];
+      }
       const float scale[2][2] = {{sa[0] * sb_lo, sa[1] * sb_lo}, {sa[0] * sb_hi, sa[1] * sb_hi}};
 #pragma unroll
       for (int q = 0; q < 128 / 8; ++q) {
