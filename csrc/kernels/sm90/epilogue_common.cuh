@@ -20,6 +20,18 @@
 
 namespace megamoe::sm90 {
 
+// Whether epilogue E keeps its GEMM on the round-robin tile order (E::kRoundRobinTilesOnly,
+// where its consumers have no registers for the dynamic order's loop: GroupedGemm's
+// kPassesTiles).
+template <class E>
+constexpr bool round_robin_tiles_only() {
+  if constexpr (requires { E::kRoundRobinTilesOnly; }) {
+    return E::kRoundRobinTilesOnly;
+  } else {
+    return false;
+  }
+}
+
 // The accumulator fragment of wgmma m64nNk16 (fp32 D). Thread t of the warpgroup (warp
 // w = t / 32, lane l = t % 32) holds, of each 8-column chunk q, columns 8q + 2(l % 4) and
 // 8q + 2(l % 4) + 1 of row 16w + l / 4 (row half 0) and of the row 8 below it (half 1).

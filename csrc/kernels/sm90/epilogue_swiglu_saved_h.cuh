@@ -22,6 +22,9 @@ class SwiGLUSavedHEpilogue {
   static constexpr int kOutCols = Out::kOutCols;
   static constexpr BColumns kBColumns = Out::kBColumns;
   static constexpr int kHalf = kBlockN / 2;  // gate (or up) columns of the tile
+  // The wide FP8 L1 with bf16 rows out spills with the dynamic tile order's loop; L1 never
+  // runs beside a copy in FP8, and bf16's gathers its A (a round-robin producer anyway).
+  static constexpr bool kRoundRobinTilesOnly = true;
   static_assert(kHalf == kOutCols);
   static_assert(sizeof(typename Out::Buffers) >= 2 * 64 * kHalf * 2, "a bf16 h half per slab");
 

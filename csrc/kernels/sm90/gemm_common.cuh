@@ -35,7 +35,6 @@ enum class NamedBarrier : int {
   kSyncThreads = 0,  // __syncthreads's
   kConsumer0 = 1,
   kConsumer1 = 2,
-  kProducer = 3,  // a 128-thread producer's threads, sharing each handed-out tile number
 };
 __device__ __forceinline__ void consumer_barrier_sync(int consumer) {
   named_barrier_sync(static_cast<int>(NamedBarrier::kConsumer0) + consumer, 128);
@@ -80,7 +79,6 @@ struct Pipeline {
   uint64_t full[kStages];
   uint64_t empty[kStages];
   Tile tile[kStages];
-  int32_t next_tile;  // a 128-thread producer's handed-out tile number, shared by thread 0
 };
 
 // A walker's position in the ring: the stage and the parity of its barriers' current phase.

@@ -39,10 +39,13 @@ struct GroupedGemm {
   using Producer = sm90::Producer<Mainloop, ALoad, BLoad>;
   // The producer locates each tile and passes it to the consumers beside its first stage,
   // so that the tiles can be handed out as blocks ask for them when the launch has counters
-  // (tile_counters.h), round-robin otherwise: every GEMM but the FP8 weight gradients, whose
-  // consumers spill 4 bytes with it (there every warpgroup walks the round-robin order
-  // itself).
-  static constexpr bool kPassesTiles = !(kGrouping == Grouping::kK && Mainloop::kScaled);
+  // (tile_counters.h), round-robin otherwise: GEMMs whose producer is one TMA thread (a
+  // 128-thread gathering producer has no registers for the loop's state at its 56) and
+  // whose epilogue allows it; not the FP8 weight gradients, whose consumers spill 4 bytes
+  // with it. In the others every warpgroup walks the round-robin order itself.
+  static constexpr bool kPassesTiles = Producer::kThreads == 1 &&
+                                        !round_robin_tiles_only<Epilogue>() &&
+                                        !(kGrouping == Grouping::kK && Mainloop::kScaled);
 
   static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
   static_assert(Epilogue::kBColumns == BLoad::kColumns, "the epilogue needs another B tile");

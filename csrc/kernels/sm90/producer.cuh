@@ -20,9 +20,9 @@ struct Producer {
   static constexpr int kFullArrivals = 1 + ALoad::kArrivals;
   static constexpr int kTmaBytes = ALoad::kTmaBytes + BLoad::kBytes + Mainloop::kExtraTmaBytes;
 
-  // Run by threads 0..kThreads-1 of warpgroup 0. kPass: each tile passed to the consumers
-  // beside its first stage (Pipeline::tile), in the order the scheduler hands them out
-  // (TileScheduler::for_each_tile_to_pass), and an end marker.
+  // Run by threads 0..kThreads-1 of warpgroup 0. kPass (one producer thread): each tile
+  // passed to the consumers beside its first stage (Pipeline::tile), in the order the
+  // scheduler hands them out (TileScheduler::for_each_tile_to_pass), and an end marker.
   template <bool kPass, class Scheduler, int kStages>
   __device__ __forceinline__ static void run(const typename ALoad::Params& a_params,
                                              const typename BLoad::Params& b_params,
@@ -40,19 +40,13 @@ struct Producer {
     }
     PipelineState<kStages> state;
     // kPass: a stage without operands that carries `t` to the consumers (a tile without
-    // k-blocks, or expert -1: no more), its full barrier completed by the arrivals a filled
-    // stage gets (the TMA thread's and, from each thread, the A loader's).
+    // k-blocks, or expert -1: no more), its full barrier completed by the one arrival a
+    // filled stage gets from the (only) producer thread.
     const auto pass_alone = [&](const Tile& t) {
       const int s = state.stage;
       mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
-      if (tma_thread) {
-        pipe.tile[s] = t;
-        mbarrier_arrive(&pipe.full[s]);
-      }
-      if constexpr (ALoad::kArrivals > 0) {
-        static_assert(ALoad::kArrivals == kThreads, "one A-loader arrival per thread");
-        mbarrier_arrive(&pipe.full[s]);
-      }
+      pipe.tile[s] = t;
+      mbarrier_arrive(&pipe.full[s]);
       state.advance();
     };
     const auto produce = [&](const Tile& t) {
@@ -73,10 +67,10 @@ struct Producer {
       }
     };
     if constexpr (kPass) {
+      static_assert(kThreads == 1 && kFullArrivals == 1);
       Tile none{};
       none.expert = -1;
-      scheduler.for_each_tile_to_pass(kThreads, &pipe.next_tile, produce,
-                                      [&] { pass_alone(none); });
+      scheduler.for_each_tile_to_pass(produce, [&] { pass_alone(none); });
     } else {
       scheduler.for_each_tile(produce);
     }

@@ -88,29 +88,19 @@ class TileScheduler {
   }
 
   __device__ __forceinline__ bool dynamic() const { return p_.dynamic != nullptr; }
-  // The loop of a producer that passes its tiles to the consumers (its `threads` threads,
-  // 1 or 128): f(tile) for each tile this block gets, as handed out (dynamic: thread 0 takes
-  // each number and shares it through *shared) or round-robin, then done() once.
+  // The loop of a producer that passes its tiles to the consumers (one thread): f(tile) for
+  // each tile this block gets, as handed out (dynamic) or round-robin, then done() once.
   template <class F, class Done>
-  __device__ __forceinline__ void for_each_tile_to_pass(int threads, int32_t* shared, F&& f,
-                                                        Done&& done) const {
+  __device__ __forceinline__ void for_each_tile_to_pass(F&& f, Done&& done) const {
     const bool dyn = dynamic();
-    const auto next = [&](int tile) {
-      if (!dyn) return tile + int(gridDim.x);
-      if (threads == 1) return atomicAdd(&p_.dynamic[0], 1);
-      if (threadIdx.x == 0) *shared = atomicAdd(&p_.dynamic[0], 1);
-      named_barrier_sync(static_cast<int>(NamedBarrier::kProducer), threads);
-      const int taken = *shared;
-      named_barrier_sync(static_cast<int>(NamedBarrier::kProducer), threads);
-      return taken;
-    };
-    for (int tile = dyn ? next(0) : int(blockIdx.x); tile < num_tiles_; tile = next(tile)) {
+    for (int tile = dyn ? atomicAdd(&p_.dynamic[0], 1) : int(blockIdx.x); tile < num_tiles_;
+         tile = dyn ? atomicAdd(&p_.dynamic[0], 1) : tile + int(gridDim.x)) {
       f(locate(tile));
     }
     done();
     // Every block has taken its last number once the last one counts itself done: that one
     // leaves the counter at zero for the next launch on the stream.
-    if (dyn && threadIdx.x == 0 && atomicAdd(&p_.dynamic[1], 1) == int(gridDim.x) - 1) {
+    if (dyn && atomicAdd(&p_.dynamic[1], 1) == int(gridDim.x) - 1) {
       atomicExch(&p_.dynamic[0], 0);
       atomicExch(&p_.dynamic[1], 0);
     }
