@@ -61,7 +61,7 @@ struct TileSmem {
   alignas(16) uint8_t staged[kTile * kTile];
   uint32_t partial_max[kWarps][kColGroups * 4];
   float column_r[kTile];
-  uint32_t tile_max[2];  // kColumnTiles128: the maxima of the two warps that hold the columns'
+  uint32_t tile_max[2];  // kColumnTiles128: the tile's maximum as each of warps 0 and 1 has it
 };
 
 struct TilePos {
@@ -229,9 +229,9 @@ struct NoHook {
   __device__ void operator()() const {}
 };
 
-// after_max (kColumns128, kColumnTiles128): called once this thread's values have all been read (into the
-// column maxima), before the tile's first barrier: the gathered kernel issues the next
-// tile's loads into the slots they came from there.
+// after_max (kColumns128, kColumnTiles128): called once this thread's values have all been
+// read (into the column maxima), before the tile's first barrier: the gathered kernel issues
+// the next tile's loads into the slots they came from there.
 template <Fp8Blocks kBlocks, bool kToRows, typename AfterMax = NoHook>
 __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const TilePos& t,
                                               const uint4 (&v)[kRowsPerThread],
