@@ -264,7 +264,11 @@ MEGAMOE_API megamoe_status megamoe_fused_fp8_backward_workspace_size(
     int32_t h_saved, int32_t forward_fp8, size_t* bytes);
 
 /* The backward's GEMMs in FP8 (precisions "fp8" and "fp8_bwd"); arguments and outputs as
- * in megamoe_fused_backward. */
+ * in megamoe_fused_backward. MEGAMOE_FP8_WGRAD_TILES=1 in the environment (read on every
+ * call; a CUDA graph keeps the path it was captured with), an opt-in coarser than the
+ * recipe: the weight gradients' activation operands (x, the SwiGLU output) are quantized in
+ * 128 x 128 tiles instead of per channel and 128 tokens, which changes d_w_gate_up's and
+ * d_w_down's bits and nothing else (docs/fp8.md, "Opt-in"). The same for the EP backward. */
 MEGAMOE_API megamoe_status megamoe_fused_fp8_backward(
     const megamoe_tensor* dy, const megamoe_tensor* x, const megamoe_tensor* topk_ids,
     const megamoe_tensor* topk_weights, const megamoe_tensor* w_gate_up,
