@@ -115,59 +115,43 @@ struct MainloopFp8 {
       b_rows[0] = b_scales + t.n_tile * kHalves * s_n_;
       b_rows[1] = b_rows[0] + (kHalves - 1) * s_n_;
     }
-    const int row = Fragment::row0();
-    const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
+    // Probe (not for use: wrong values): no scales and no promotion. Each k-block's MMAs
+    // accumulate straight into the sums (both 128-column groups), one k-block in flight as
+    // in the bf16 mainloop, so that the kernel times what its promotion costs.
     const bool warp_leader = threadIdx.x % 32 == 0;
-    float partial[kPartials];
+    (void)b_rows;
+    PipelineState<kStages> previous = state;
+    bool have_previous = false;
     for (int kb = 0; kb < t.k_blocks; ++kb) {
-      float sb[2] = {1.f, 1.f};
-      if constexpr (!kBRowScales) {
-        sb[0] = __ldg(b_rows[0] + kb * s_k_);
-        // A narrow contiguous tile lies in one block: its second scale is the first.
-        constexpr bool kTwoBlocks = kHalves == 2 || kBColumns == BColumns::kGateUpHalves;
-        sb[1] = kTwoBlocks ? __ldg(b_rows[1] + kb * s_k_) : sb[0];
-      }
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       if constexpr (kGenericProxyA) fence_proxy_async_shared();
       const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + consumer * 64 * kBlockK);
       const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]);
-      const float* a_scales = tiles.a_scales[state.stage] + a_offset + consumer * 64;
-      float sa[2];
+#pragma unroll
+      for (int i = 0; i < kAccumulators; ++i) fence_operand(sum[i]);
+      wgmma_fence();
 #pragma unroll
       for (int g = 0; g < kHalves; ++g) {
-#pragma unroll
-        for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
-        wgmma_fence();
+        float(&acc)[kPartials] = *reinterpret_cast<float(*)[kPartials]>(sum + g * kPartials);
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 32; ++kk) {
-          // 32 bytes along K per MMA: 2 descriptor units of 16 bytes; group g's B rows start
-          // 128 rows (16 KB, 1024 units) in.
-          wgmma_e4m3_n128(partial, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        if (g == 0) {
-          sa[0] = a_scales[row];
-          sa[1] = a_scales[row + 8];
-        }
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
-        // Block scales: after the last group's MMAs the warp has read all of the stage it
-        // needs (its A scales are in registers), so the stage goes back before the last
-        // promotion.
-        if constexpr (!kBRowScales) {
-          if (g == kHalves - 1) release(pipe, state, warp_leader);
-        }
-        // A narrow gate-up tile's group is 64 gate and 64 up columns, each with its block.
-        if constexpr (kHalves == 2) {
-          promote(tiles, state, g, partial, sum, sa, sb[g], sb[g]);
-        } else {
-          promote(tiles, state, g, partial, sum, sa, sb[0], sb[1]);
+          wgmma_e4m3_n128(acc, desc_a + 2 * kk, desc_b + g * 1024 + 2 * kk,
+                          (kb > 0 || kk > 0) ? 1 : 0);
         }
       }
-      if constexpr (kBRowScales) release(pipe, state, warp_leader);
+      wgmma_commit();
+      wgmma_wait<1>();
+#pragma unroll
+      for (int i = 0; i < kAccumulators; ++i) fence_operand(sum[i]);
+      if (have_previous) release(pipe, previous, warp_leader);
+      previous = state;
+      have_previous = true;
       state.advance();
     }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kAccumulators; ++i) fence_operand(sum[i]);
+    if (have_previous) release(pipe, previous, warp_leader);
   }
 
   // sum[group g's columns] += partial * sa * sb: B's scale per row (kRows: the stage's) or
