@@ -1,10 +1,9 @@
 #include "chain/expert_chain.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
+#include "core/env_switch.h"
 #include "core/error.h"
 #include "kernels/common/gather_padded.h"
 #include "kernels/common/quantize_fp8.h"
@@ -110,27 +109,23 @@ void quantize_columns(const __nv_bfloat16* x, int64_t padded_rows, int64_t cols,
   quantize_fp8(blocks, columns_args(x, padded_rows, cols, out), stream);
 }
 
-// A diagnostic switch of the FP8 chain: set to anything but "" or "0". Read on every call
-// (one getenv) so that a test can compare both paths in one process; a CUDA graph keeps the
-// path it was captured with.
-bool diagnostic_switch(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
+// The FP8 chain's switches below (core/env_switch.h) are read on every call (one getenv) so
+// that a test can compare both paths in one process; a CUDA graph keeps the path it was
+// captured with.
 
 // MEGAMOE_FP8_UNFUSED_COLS set (and not "0"): the FP8 weight gradients' token-row operands
 // (p dy and x) are gathered into b.token_rows in bf16 (gather_rows_padded) and
 // column-quantized from there, instead of column-quantized straight from the token matrix
 // (quantize_fp8_columns_gathered). A diagnostic, for an A/B of the two on the GPU; the
 // bits are the same.
-bool fp8_unfused_columns() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_COLS"); }
+bool fp8_unfused_columns() { return env_switch("MEGAMOE_FP8_UNFUSED_COLS"); }
 
 // MEGAMOE_FP8_UNFUSED_QUANT set (and not "0"): the FP8 backward quantizes dh into its 1x128
 // rows (the L1 dgrad's A) and into its token-contiguous copy (dW_gate_up's lhs) in two
 // passes, each reading dh, instead of one pass that reads it once
 // (quantize_fp8_rows_and_columns). A diagnostic, for an A/B of the two on the GPU; the
 // bits are the same.
-bool fp8_unfused_quantization() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_QUANT"); }
+bool fp8_unfused_quantization() { return env_switch("MEGAMOE_FP8_UNFUSED_QUANT"); }
 
 // MEGAMOE_FP8_WGRAD_TILES set (and not "0"), opt-in: the FP8 weight gradients' activation
 // operands (x for dW_gate_up, a for dW_down) quantized in 128 x 128 tiles (128 channels x
@@ -139,7 +134,7 @@ bool fp8_unfused_quantization() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_
 // (b_tile_scales of k_grouped_fp8_gemm_tn). Coarser than the recipe: docs/fp8.md says what
 // it costs and buys. The gradient operands (dh, p dy) keep their per-channel scales. Read
 // on every call, like the diagnostic switches.
-bool fp8_wgrad_tiles() { return diagnostic_switch("MEGAMOE_FP8_WGRAD_TILES"); }
+bool fp8_wgrad_tiles() { return env_switch("MEGAMOE_FP8_WGRAD_TILES"); }
 
 // The padded rows of the plan over a token matrix (x, or dy scaled by the rows' slot
 // weights: p dy), [padded_rows, cols] as gather_rows_padded writes them, quantized into
@@ -182,7 +177,7 @@ sm90::Fp8Weights as_b(const Fp8Weight& w, int64_t N, int64_t K, bool transposed)
 // TMA. A diagnostic, for an A/B of the two paths on the GPU: the same bits, but for
 // d topk_weights (the gathering GEMMs run 128-wide tiles, and the L2 dgrad's dp sums one
 // partial per N-tile).
-bool fp8_gather_a() { return diagnostic_switch("MEGAMOE_FP8_GATHER_A"); }
+bool fp8_gather_a() { return env_switch("MEGAMOE_FP8_GATHER_A"); }
 
 // The A operand of a GEMM over the rows on a token matrix (x or dy [tokens, cols]),
 // quantized into `out` (at least max(rows, tokens) rows): by default every token's row and
@@ -228,7 +223,7 @@ sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens,
 // bf16 and quantize_rows makes L2's e4m3 rows of it, instead of its epilogue writing them
 // (m_grouped_fp8_gemm_nt_swiglu with Fp8RowsOut). A diagnostic, for an A/B of the two on
 // the GPU; the bits are the same.
-bool fp8_unfused_activation() { return diagnostic_switch("MEGAMOE_FP8_UNFUSED_ACT"); }
+bool fp8_unfused_activation() { return env_switch("MEGAMOE_FP8_UNFUSED_ACT"); }
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "comm/ep_layer.h"
+#include "core/env_switch.h"
 #include "core/error.h"
 #include "core/layer_shape.h"
 #include "core/tensor_check.h"
@@ -18,12 +19,6 @@
 using namespace megamoe;
 
 namespace {
-
-// An environment switch of the EP paths: on when set to anything but "" or "0".
-bool env_switch(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
 
 // The internal group; the buffers may be absent for size queries.
 ep::Group to_group(const megamoe_ep_group* g, bool need_buffers) {

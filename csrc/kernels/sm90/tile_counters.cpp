@@ -1,12 +1,11 @@
 #include "kernels/sm90/tile_counters.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
 
 #include "core/cuda_check.h"
+#include "core/env_switch.h"
 
 namespace megamoe::sm90 {
 namespace {
@@ -19,10 +18,7 @@ struct Pool {
 };
 
 bool enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGAMOE_DYNAMIC_TILES");
-    return v != nullptr && std::strcmp(v, "") != 0 && std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = env_switch("MEGAMOE_DYNAMIC_TILES");
   return on;
 }
 
