@@ -52,6 +52,9 @@ class SwiGLUBackwardEpilogue {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kOutCols = kBlockN;  // of a = silu(g) u; dh has two such tiles
   static constexpr BColumns kBColumns = BColumns::kContiguous;
+  // Round-robin tiles, as before the producers passed them: with passed tiles the wide FP8
+  // dgrad ran slower at 235b (the performance log, eleventh session of 2026-12-04).
+  static constexpr bool kRoundRobinTilesOnly = true;
 
   struct Operands {
     const __nv_bfloat16* h;      // [sorted rows, 2I]
