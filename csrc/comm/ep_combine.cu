@@ -1,6 +1,8 @@
 // Steps 6 and 7 of an expert-parallel call (ep_layer.h lists them all): each owner's
 // partial sums sent back to the tokens' ranks, and their sum there; and the poison of a
 // call skipped over capacity.
+#include <algorithm>
+
 #include "comm/ep_phases.h"
 #include "comm/peer_sync.cuh"
 #include "core/cuda_check.h"
@@ -15,7 +17,14 @@ namespace {
 // unweighted), over its slots in slot order in fp32, rounded once to bf16 and stored in its
 // source's combine area at [this rank, token]; the backward also sends each slot's d
 // topk_weights. One warp per received token; nothing when the call is skipped.
-__global__ void __launch_bounds__(kCopyThreads)
+// kThreads: the default launch spreads 256-thread blocks over every SM; the launch beside a
+// GEMM (kWideBlock) fills each of its few SMs with one 1024-thread block (64 registers a
+// thread take the whole register file, so no other block shares the SM), twice the warps and
+// so twice the loads in flight of two 256-thread blocks: the copy is bound by the loads in
+// flight, not by NVLink. kBatch: rows' loads a lane has in flight (8 spills at 1024 threads).
+// Each output sums its slots in the same order either way: the bits do not depend on the launch.
+template <int kThreads, int kBatch>
+__global__ void __launch_bounds__(kThreads)
     combine_send_kernel(const __grid_constant__ comm::PeerTable peers,
                         const __grid_constant__ BufferLayout layout,
                         const __nv_bfloat16* __restrict__ rows,
@@ -28,8 +37,8 @@ __global__ void __launch_bounds__(kCopyThreads)
   char* own = peers.buffers[peers.rank];
   const int32_t* count = at<int32_t>(own, layout.recv_token_count);
   const int64_t tokens = int64_t(world) * layout.max_tokens;
-  const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
-  for (int64_t i = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; i < tokens; i += warps) {
+  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
+  for (int64_t i = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; i < tokens; i += warps) {
     const int source = static_cast<int>(i / layout.max_tokens);
     if (i - int64_t(source) * layout.max_tokens >= count[source]) continue;
     if (part != DispatchPart::kAll && (source == peers.rank) != (part == DispatchPart::kSelf)) {
@@ -47,11 +56,11 @@ __global__ void __launch_bounds__(kCopyThreads)
       const int c = c0 + lane * 8;
       const bool in_row = c < H;
       float acc[8] = {};
-      for (int j0 = 0; j0 < k; j0 += kCopyBatch) {  // kCopyBatch rows' loads in flight, then in order
-        uint4 v[kCopyBatch];
-        float w[kCopyBatch];
+      for (int j0 = 0; j0 < k; j0 += kBatch) {  // kBatch rows' loads in flight, then in order
+        uint4 v[kBatch];
+        float w[kBatch];
 #pragma unroll
-        for (int b = 0; b < kCopyBatch; ++b) {
+        for (int b = 0; b < kBatch; ++b) {
           const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
           w[b] = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
           const bool used = j0 + b < k && row >= 0;
@@ -60,7 +69,7 @@ __global__ void __launch_bounds__(kCopyThreads)
           if (!used) w[b] = 0.f;
         }
 #pragma unroll
-        for (int b = 0; b < kCopyBatch; ++b) fma_row(acc, w[b], v[b]);
+        for (int b = 0; b < kBatch; ++b) fma_row(acc, w[b], v[b]);
       }
       if (in_row) *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
     }
@@ -209,14 +218,23 @@ void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-[[maybe_unused]] const bool kPreloadable = register_kernel_module(&combine_send_kernel);
+constexpr int kWideBlock = 1024;  // threads of the launch beside a GEMM: one block per SM
+[[maybe_unused]] const bool kPreloadable =
+    register_kernel_module(&combine_send_kernel<kCopyThreads, kCopyBatch>) &&
+    register_kernel_module(&combine_send_kernel<kWideBlock, kCopyBatch>);
 
 }  // namespace
 
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
                   const float* dp_rows, cudaStream_t stream, int blocks, DispatchPart part) {
-  combine_send_kernel<<<blocks > 0 ? blocks : c.copy_blocks, kCopyThreads, 0, stream>>>(
-      c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip, part);
+  if (blocks > 0) {  // beside a GEMM: `blocks` counts 256-thread blocks, two per copy SM
+    combine_send_kernel<kWideBlock, kCopyBatch>
+        <<<std::max(1, blocks / 2), kWideBlock, 0, stream>>>(c.g.peers, c.buffer, rows,
+                                                             row_weights, dp_rows, c.w.skip, part);
+  } else {
+    combine_send_kernel<kCopyThreads, kCopyBatch><<<c.copy_blocks, kCopyThreads, 0, stream>>>(
+        c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip, part);
+  }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
