@@ -17,12 +17,12 @@ namespace {
 // unweighted), over its slots in slot order in fp32, rounded once to bf16 and stored in its
 // source's combine area at [this rank, token]; the backward also sends each slot's d
 // topk_weights. One warp per received token; nothing when the call is skipped.
-// kThreads: the default launch spreads 256-thread blocks over every SM; the launch beside a
-// GEMM (kWideBlock) fills each of its few SMs with one 1024-thread block (64 registers a
-// thread take the whole register file, so no other block shares the SM), twice the warps and
-// so twice the loads in flight of two 256-thread blocks: the copy is bound by the loads in
-// flight, not by NVLink. kBatch: rows' loads a lane has in flight (8 spills at 1024 threads).
-// Each output sums its slots in the same order either way: the bits do not depend on the launch.
+// kThreads and kBatch (rows' loads a lane has in flight): the default launch spreads
+// 256-thread blocks with 4 over every SM; the launch beside a GEMM (kWideBlock) fills each of
+// its few SMs with one 768-thread block with 8 (79 registers a thread: no GEMM block fits
+// beside it), three times the loads in flight of two 256-thread blocks, since the copy is
+// bound by the loads in flight, not by NVLink. Each output sums its slots in the same order
+// either way: the bits do not depend on the launch.
 template <int kThreads, int kBatch>
 __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(const __grid_constant__ comm::PeerTable peers,
@@ -58,18 +58,20 @@ __global__ void __launch_bounds__(kThreads)
       float acc[8] = {};
       for (int j0 = 0; j0 < k; j0 += kBatch) {  // kBatch rows' loads in flight, then in order
         uint4 v[kBatch];
-        float w[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
-          w[b] = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
           const bool used = j0 + b < k && row >= 0;
           v[b] = used && in_row ? *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c)
                                 : make_uint4(0, 0, 0, 0);
-          if (!used) w[b] = 0.f;
         }
+        // The weights are fetched again here rather than held beside the loads in flight.
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) fma_row(acc, w[b], v[b]);
+        for (int b = 0; b < kBatch; ++b) {
+          const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
+          const float w = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
+          fma_row(acc, j0 + b < k && row >= 0 ? w : 0.f, v[b]);
+        }
       }
       if (in_row) *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
     }
@@ -218,17 +220,17 @@ void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-constexpr int kWideBlock = 1024;  // threads of the launch beside a GEMM: one block per SM
+constexpr int kWideBlock = 768;  // threads of the launch beside a GEMM: one block per SM
 [[maybe_unused]] const bool kPreloadable =
     register_kernel_module(&combine_send_kernel<kCopyThreads, kCopyBatch>) &&
-    register_kernel_module(&combine_send_kernel<kWideBlock, kCopyBatch>);
+    register_kernel_module(&combine_send_kernel<kWideBlock, 2 * kCopyBatch>);
 
 }  // namespace
 
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
                   const float* dp_rows, cudaStream_t stream, int blocks, DispatchPart part) {
   if (blocks > 0) {  // beside a GEMM: `blocks` counts 256-thread blocks, two per copy SM
-    combine_send_kernel<kWideBlock, kCopyBatch>
+    combine_send_kernel<kWideBlock, 2 * kCopyBatch>
         <<<std::max(1, blocks / 2), kWideBlock, 0, stream>>>(c.g.peers, c.buffer, rows,
                                                              row_weights, dp_rows, c.w.skip, part);
   } else {

@@ -48,7 +48,7 @@ void received_slot_rows(const Call& c, int32_t* out, cudaStream_t stream);
 // row_weights (null: 1), rounded once to bf16, into its source's combine area; with
 // dp_rows, also each slot's d topk_weights. blocks: 0 for c.copy_blocks 256-thread blocks
 // over every SM; else, beside a GEMM, the copy's 256-thread-block budget (two per copy SM),
-// launched as one 1024-thread block per copy SM. part: the
+// launched as one 768-thread block per copy SM. part: the
 // tokens of every source, of this rank only, or of the others only (the overlapped forward
 // sends the peers' partial sums while L2 runs on the own rows).
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
