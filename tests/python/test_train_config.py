@@ -32,9 +32,6 @@ def load(extra: str = "", overrides=(), base: str = BASE):
     ("[model.moe.dispatch]\ntype = 'megamoe'\n",
      r"model\.moe\.dispatch\.type: expected one of \['mega_moe', 'torch', 'hf'\], got 'megamoe'; "
      r"did you mean 'mega_moe'\?"),
-    ("[model.moe.dispatch]\nprecision = 'fp8'\n[parallel]\nep = 2\n",
-     r"model\.moe\.dispatch\.precision: 'fp8' is not supported by the trainer with expert "
-     r"parallelism yet \(parallel\.ep = 2\)"),
     ("[model.moe.dispatch]\ntype = 'hf'\nprecision = 'fp8'\n",
      r"model\.moe\.dispatch\.precision: 'fp8' is not built for model\.moe\.dispatch\.type = 'hf'"),
     ("[model.moe.dispatch]\ntype = 'torch'\nprecision = 'fp8_bwd'\n",

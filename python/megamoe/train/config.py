@@ -433,12 +433,6 @@ def check_static(config: Config) -> None:
                if dispatch.precision == "mxfp8" else
                f"is not built for model.moe.dispatch.type = {dispatch.type!r}; use one of {list(built)}")
         raise ConfigError(f"model.moe.dispatch.precision: {dispatch.precision!r} {why}")
-    if dispatch.precision != "bf16" and dispatch.type == "mega_moe" and config.parallel.ep > 1:
-        # The layer runs FP8 under EP; the trainer's EP path (sharded experts, their FP8
-        # copies under FSDP2) has not been run with it on GPUs yet.
-        raise ConfigError(f"model.moe.dispatch.precision: {dispatch.precision!r} is not "
-                          f"supported by the trainer with expert parallelism yet (parallel.ep = "
-                          f"{config.parallel.ep}); use 'bf16' or parallel.ep = 1")
     if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {config.optim.betas}")
     if config.optim.min_lr_ratio > 1.0:
