@@ -63,6 +63,7 @@
 # STAGE_TIMEOUT (seconds, default 590) to bound each stage.
 set -uo pipefail
 out=${1:?usage: tools/gpu_session.sh OUT_DIR STAGE [STAGE ...]}
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # the archive goes there, after a cd below
 shift
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
