@@ -102,13 +102,14 @@ __device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value) {
 
 // A full slab through the staging buffer and TMA stores: stage(staging) writes kBoxes
 // boxes of 64 rows x 128 bytes (kStoreBoxBytes apart, each 128-byte swizzled), box b going
-// to (col + b * kBoxCols, row..) of `map`. The stores drain while the warpgroup goes on to
-// the next tile's MMAs. Thread 0 of the warpgroup owns the bulk stores; the buffer is
-// reused only once its previous stores have read it.
+// to (col + b * kBoxCols, row..) of `map`; only the first `boxes` are stored (a ragged
+// last N-tile's boxes past the output's columns are staged and dropped). The stores drain
+// while the warpgroup goes on to the next tile's MMAs. Thread 0 of the warpgroup owns the
+// bulk stores; the buffer is reused only once its previous stores have read it.
 template <int kBoxes, int kBoxCols, class Stage>
 __device__ __forceinline__ void store_boxes_staged(const CUtensorMap& map, uint8_t* staging,
                                                    int consumer, int col, int row,
-                                                   Stage&& stage) {
+                                                   Stage&& stage, int boxes = kBoxes) {
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) bulk_wait_group_read_all();
   consumer_barrier_sync(consumer);
@@ -118,20 +119,22 @@ __device__ __forceinline__ void store_boxes_staged(const CUtensorMap& map, uint8
   if (leader) {
 #pragma unroll
     for (int box = 0; box < kBoxes; ++box) {
-      tma_store_2d(&map, staging + box * kStoreBoxBytes, col + box * kBoxCols, row);
+      if (box < boxes) tma_store_2d(&map, staging + box * kStoreBoxBytes, col + box * kBoxCols, row);
     }
     bulk_commit_group();
   }
 }
 
-// A full slab's kCols bf16 columns (value(q, half, j)) to (col.., row..) of `map`.
+// A full slab's kCols bf16 columns (value(q, half, j)) to (col.., row..) of `map`, the
+// first `boxes` 64-column boxes of them.
 template <int kCols, class Value>
 __device__ __forceinline__ void store_slab_staged(const CUtensorMap& map, uint8_t* staging,
                                                   int consumer, int col, int row,
-                                                  Value&& value) {
+                                                  Value&& value,
+                                                  int boxes = kCols / kStoreBoxCols) {
   store_boxes_staged<kCols / kStoreBoxCols, kStoreBoxCols>(
       map, staging, consumer, col, row,
-      [&](uint8_t* buffer) { stage_chunks<kCols / 8>(buffer, value); });
+      [&](uint8_t* buffer) { stage_chunks<kCols / 8>(buffer, value); }, boxes);
 }
 
 // The end of every epilogue that stores by TMA: shared memory must outlive the last stores.

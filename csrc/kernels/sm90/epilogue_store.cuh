@@ -5,6 +5,11 @@
 //
 // A full 64-row slab leaves through shared memory and TMA stores; a slab with rows past the
 // expert's end through masked stores from registers.
+//
+// Tiles 128 or 256 wide always divide N (the launchers pick them so); a 192-wide tile
+// (MainloopFp8N192Chunks, N a multiple of 128) may not: the last N-tile then holds 64 or 128
+// columns past N (kRaggedN), which neither path stores. N being a multiple of 64, each of
+// the staged path's 64-column boxes lies wholly before or past it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,36 +37,47 @@ class StoreEpilogue : public SlabOutput<StoreEpilogue<kBlockN_, Values>, kBlockN
 
  public:
   using Base::kBlockN, Base::kOutCols;
+  static constexpr bool kRaggedN = kBlockN % 128 != 0;
 
   struct Params {
     CUtensorMap map;  // C in 64 x 64 boxes
     __nv_bfloat16* c;
     int64_t ld;
     int32_t padded;   // C's rows are in the padded layout
+    int32_t cols;     // kRaggedN: the output's columns (N, a multiple of 64)
   };
-  // C = [rows, ld] bf16.
-  static Params params(__nv_bfloat16* c, int64_t rows, int64_t ld, bool padded) {
-    return {make_tensor_map(c, rows, ld, 64), c, ld, padded};
+  // C = [rows, ld] bf16, of which columns 0..cols-1 are written (cols: 0 for ld; kRaggedN
+  // tiles mask the others).
+  static Params params(__nv_bfloat16* c, int64_t rows, int64_t ld, bool padded,
+                       int64_t cols = 0) {
+    return {make_tensor_map(c, rows, ld, 64), c, ld, padded,
+            static_cast<int32_t>(cols > 0 ? cols : ld)};
   }
 
   __device__ __forceinline__ StoreEpilogue(const Params& p, typename Base::Buffers& buffers,
                                            typename Base::Barriers&, int consumer)
-      : Base(buffers, consumer, p.padded), map_(p.map), c_(p.c), ld_(p.ld) {}
+      : Base(buffers, consumer, p.padded), map_(p.map), c_(p.c), ld_(p.ld), cols_(p.cols) {}
 
   // The parts of store(), for the epilogues built on this one.
   __device__ __forceinline__ void store_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
     const int consumer = this->consumer();
+    constexpr int kBoxes = kOutCols / kStoreBoxCols;
+    int boxes = kBoxes;
+    if constexpr (kRaggedN) boxes = min(kBoxes, (cols_ - t.n_tile * kOutCols) / kStoreBoxCols);
     store_slab_staged<kOutCols>(map_, this->staging(), consumer, t.n_tile * kOutCols,
                                 t.row(this->padded()) + consumer * 64,
-                                [&](int q, int half, int j) { return Values::get(acc, q, half, j); });
+                                [&](int q, int half, int j) { return Values::get(acc, q, half, j); },
+                                boxes);
   }
   __device__ __forceinline__ void store_direct(const Tile& t, const float (&acc)[kBlockN / 2]) {
     const int slab = this->consumer() * 64;
     __nv_bfloat16* base = c_ + int64_t(t.row(this->padded()) + slab) * ld_ + t.n_tile * kOutCols;
+    // kRaggedN: the tile's columns before N (all of them but in the last N-tile).
+    const int tile_cols = kRaggedN ? cols_ - t.n_tile * kOutCols : kOutCols;
     for_each_output<kOutCols>(
         [&](int q, int half, int j) { return Values::get(acc, q, half, j); },
         [&](int r, int c, float v0, float v1) {
-          if (slab + r < t.rows) {
+          if (slab + r < t.rows && (!kRaggedN || c < tile_cols)) {
             *reinterpret_cast<__nv_bfloat162*>(base + int64_t(r) * ld_ + c) =
                 __floats2bfloat162_rn(v0, v1);
           }
@@ -74,6 +90,7 @@ class StoreEpilogue : public SlabOutput<StoreEpilogue<kBlockN_, Values>, kBlockN
   const CUtensorMap& map_;
   __nv_bfloat16* c_;
   int64_t ld_;
+  int cols_;
 };
 
 }  // namespace megamoe::sm90

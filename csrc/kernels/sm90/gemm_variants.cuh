@@ -14,6 +14,7 @@
 #include "kernels/sm90/grouped_gemm_kernel.cuh"
 #include "kernels/sm90/mainloop_bf16.cuh"
 #include "kernels/sm90/mainloop_fp8.cuh"
+#include "kernels/sm90/mainloop_fp8_n192.cuh"
 #include "kernels/sm90/operand_gathered.cuh"
 #include "kernels/sm90/operand_tma.cuh"
 
@@ -67,6 +68,10 @@ template <int kBlockN, BColumns kColumns = BColumns::kContiguous>
 using WeightScales = MainloopFp8<BScales::kBlocks128, kColumns, kBlockN>;
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNt = MGroupedGemm<WeightScales<kBlockN>, kGathered, StoreEpilogue<kBlockN>>;
+// The same GEMM in 192-wide tiles that promote behind their own MMAs (opt-in,
+// MEGAMOE_FP8_N192; A by TMA: the gathering producer needs more registers than 40).
+using MGroupedFp8GemmNtN192 =
+    MGroupedGemm<MainloopFp8N192Chunks, false, StoreEpilogue<MainloopFp8N192Chunks::kBlockN>>;
 template <int kBlockN, bool kFp8Rows>
 using SwiGLUOutput = std::conditional_t<kFp8Rows, Fp8RowsEpilogue<kBlockN, SwiGLUValues<kBlockN>>,
                                         SwiGLUEpilogue<kBlockN>>;

@@ -3,6 +3,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/env_switch.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
 #include "kernels/sm90/gemm_fp8.h"
@@ -50,6 +51,9 @@ void launch(const MGroupedFp8GemmArgs& a, const typename Gemm::BLoad::Params& b,
   p.mainloop.s_k = static_cast<int32_t>(a.b.s_k);
   p.mainloop.up_block = static_cast<int32_t>(up_block);
   p.mainloop.a_sorted_tma = a.a.gather == nullptr && a.a.layout == RowLayout::kSorted;
+  if constexpr (requires { p.mainloop.n_blocks; }) {
+    p.mainloop.n_blocks = static_cast<int32_t>(a.n / 128);  // the clamp of a ragged tile's
+  }
   p.epilogue = epilogue;
   launch_grouped_gemm<Gemm>(p, Gemm::Scheduler::max_tiles(p.scheduler, a.groups.rows), stream);
 }
@@ -75,6 +79,12 @@ bool wide_n(bool gathered, int64_t n) {
 [[maybe_unused]] const bool kPreloadable =
     register_kernel_module(&grouped_gemm_kernel<MGroupedFp8GemmNt<256, false>>);
 
+// MEGAMOE_FP8_N192 set (and not "0"), opt-in and not yet measured: m_grouped_fp8_gemm_nt
+// with A by TMA runs MainloopFp8N192Chunks (192-wide tiles that promote one 96-column group
+// behind the other's MMAs; mainloop_fp8_n192.cuh) for every N instead of the 256- or
+// 128-wide MainloopFp8 tiles. Read on every call, so that one process can time both.
+bool fp8_n192() { return env_switch("MEGAMOE_FP8_N192"); }
+
 }  // namespace
 
 void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& a, cudaStream_t stream) {
@@ -82,6 +92,17 @@ void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& a, cudaStream_t stream) {
   if (a.n % 128 != 0 || a.n < 1) throw_invalid(name + ": N must be a positive multiple of 128");
   check_fp8(a, name);
   if (a.groups.rows == 0) return;
+  if (a.a.gather == nullptr && fp8_n192()) {
+    // N-tiles of 192 columns, the last one ragged where 192 does not divide N (the
+    // epilogue stores columns < N only).
+    using Gemm = MGroupedFp8GemmNtN192;
+    constexpr int kBlockN = Gemm::Mainloop::kBlockN;
+    const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
+    const auto epilogue = Gemm::Epilogue::params(a.c.data, a.c.rows, a.c.ld,
+                                                 a.c.layout == RowLayout::kPadded, a.n);
+    launch<Gemm>(a, b, (a.n + kBlockN - 1) / kBlockN, 0, epilogue, stream);
+    return;
+  }
   dispatch(a, wide_n(a.a.gather != nullptr, a.n), [&](auto block_n, auto gathered) {
     using Gemm = MGroupedFp8GemmNt<decltype(block_n)::value, decltype(gathered)::value>;
     const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);

@@ -251,6 +251,26 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t desc_a,
                : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// D[64x96] (+)= A[64x32] * B[96x32]^T, e4m3, as wgmma_e4m3_n128: the 192-wide FP8 tile's
+// 96-column groups (mainloop_fp8_n192.cuh), 48 accumulators per thread.
+#define MEGAMOE_WGMMA_D_0_47 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+__device__ __forceinline__ void wgmma_e4m3_n96(float (&d)[48], uint64_t desc_a, uint64_t desc_b,
+                                               int scale_d) {
+  asm volatile("{\n"
+               ".reg .pred p;\n"
+               "setp.ne.b32 p, %50, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 "
+               "{" MEGAMOE_WGMMA_D_0_47 "}, %48, %49, p, 1, 1;\n"
+               "}\n"
+               : MEGAMOE_WGMMA_ACC8(d, 0), MEGAMOE_WGMMA_ACC8(d, 8), MEGAMOE_WGMMA_ACC8(d, 16),
+                 MEGAMOE_WGMMA_ACC8(d, 24), MEGAMOE_WGMMA_ACC8(d, 32), MEGAMOE_WGMMA_ACC8(d, 40)
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+#undef MEGAMOE_WGMMA_D_0_47
+
 #undef MEGAMOE_WGMMA_ACC64
 #undef MEGAMOE_WGMMA_ACC8
 #undef MEGAMOE_WGMMA_D_64_127
