@@ -17,6 +17,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -349,6 +350,77 @@ TEST_P(Fp8SwiGLURowsGpu, EqualsTheQuantizedBf16Output) {
   EXPECT_TRUE(download_bf16(h, rows * 2 * I) == download_bf16(h_bf16, rows * 2 * I)) << "h";
 }
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLURowsGpu, ::testing::ValuesIn(fp8_tma_cases()),
+                         fp8_case_name);
+
+// The opt-in 192-wide tiles of m_grouped_fp8_gemm_nt (MEGAMOE_FP8_N192; A by TMA), whose
+// groups straddle B's 128-row scale blocks and whose last N-tile is ragged where 192 does
+// not divide N. The shapes: N = 2048 (last tile, an even one, 128 of its columns before N),
+// 640 and 4096 (an odd last tile, 64 columns before N), 768 and 384 (whole tiles); K in
+// 3, 1, 6, 2 and 9 k-blocks (chunks of two, a trailing chunk of one, one alone). Where C's ld
+// is wider than N, the columns between stay poisoned: the ragged tile's boxes past N are
+// not stored (C's tensor map ends at ld, not at N).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
+class Fp8StoreN192Gpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {};
+
+TEST_P(Fp8StoreN192Gpu, MatchesDequantizedProduct) {
+  const Fp8Case& p = GetParam();
+  const ScopedEnv n192("MEGAMOE_FP8_N192", "1");
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const HostGroups g(megamoe_test::awkward_counts());
+  struct Shape {
+    int64_t n, k, ld;
+  };
+  for (const Shape& s : {Shape{2048, 384, 2048 + 64}, Shape{640, 128, 640 + 128},
+                         Shape{768, 768, 768}, Shape{4096, 256, 4096}, Shape{384, 1152, 384}}) {
+    const int64_t N = s.n, K = s.k, ld = s.ld, E = g.num_experts();
+    SCOPED_TRACE("N = " + std::to_string(N) + ", K = " + std::to_string(K) +
+                 ", ld = " + std::to_string(ld));
+    const Fp8A a = make_fp8_a(g, p.a, K, 300, rng);
+    const Fp8B b = make_fp8_b(E, N, K, p.transposed_scales, rng);
+    auto args = fp8_args(g, a, b, K, N, ld, p.c);
+    megamoe::sm90::m_grouped_fp8_gemm_nt(args, stream_);
+    CUDA_OK(cudaGetLastError());
+    const std::vector<uint16_t> c = download_bf16(args.c.data, args.c.rows * ld);
+    const std::vector<double> rows = megamoe_test::sorted_rows_of(c, g, p.c, ld);
+    std::vector<double> got(g.rows * N);
+    int64_t written_past_n = 0;
+    for (int64_t r = 0; r < g.rows; ++r) {
+      for (int64_t j = 0; j < N; ++j) got[r * N + j] = rows[r * ld + j];
+      for (int64_t j = N; j < ld; ++j) {
+        written_past_n += !megamoe_test::is_poison(c[g.row_in(p.c, r) * ld + j]);
+      }
+    }
+    const std::vector<double> ref = megamoe_test::grouped_product(g, a.rows, b.values, K, N, false);
+    EXPECT_LT(error_beyond_rounding(got, ref, "C"), kFp8GemmBound);
+    EXPECT_EQ(written_past_n, 0) << "columns N..ld-1 of C";
+    if (p.c == RowLayout::kPadded) {
+      EXPECT_EQ(megamoe_test::bad_pad_elements(c, g, ld, megamoe_test::is_poison), 0);
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Variants, Fp8StoreN192Gpu, ::testing::ValuesIn(fp8_tma_cases()),
                          fp8_case_name);
 
 class Fp8SwiGLUBackwardGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {};
