@@ -109,7 +109,7 @@ def short_name(name: str) -> str:
     name = re.sub(r"megamoe::|sm90::|\(anonymous namespace\)::|^void ", "", name)
     if name.startswith("grouped_gemm_kernel<"):
         grouping = re.search(r"\(Grouping\)(\d)", name)
-        mainloop = re.search(r"(Mainloop\w+)<", name)
+        mainloop = re.search(r"(Mainloop\w+)[<,]", name)  # a template, or a plain struct
         loader = re.search(r"(A(?:Tma|Gathered\w*))<", name)
         # An epilogue's type appears again in its Params: each name once, in order.
         epilogues = list(dict.fromkeys(re.findall(r"(\w+Epilogue)<", name)))
