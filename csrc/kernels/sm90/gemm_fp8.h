@@ -49,7 +49,9 @@ struct MGroupedFp8GemmArgs {
 };
 
 // C[r, :n] = A_r . B_e^T (bf16 C), b = [E * n, k]; n a multiple of 128. E.g. L2 (w_down
-// [E, H, I]) and the dgrad of L1 (W_gate_up^T [E, H, 2I]).
+// [E, H, I]) and the dgrad of L1 (W_gate_up^T [E, H, 2I]). With MEGAMOE_FP8_N192=1 (opt-in,
+// read on every call; docs/fp8.md) and A by TMA: 128 x 192 tiles (mainloop_fp8_n192.cuh),
+// the last N-tile ragged where 192 does not divide n.
 void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream);
 
 // L1 with the SwiGLU: as m_grouped_gemm_nt_swiglu, b = w_gate_up [E * 2n, k] (n = I, a
