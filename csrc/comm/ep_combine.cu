@@ -18,12 +18,13 @@ namespace {
 // source's combine area at [this rank, token]; the backward also sends each slot's d
 // topk_weights. One warp per received token; nothing when the call is skipped.
 // kThreads: the default launch spreads 256-thread blocks over every SM; the launch beside a
-// GEMM (kWideBlock) fills each of its few SMs with one 1024-thread block (64 registers a
-// thread take the whole register file, so no other block shares the SM), twice the warps and
-// so twice the loads in flight of two 256-thread blocks: the copy is bound by the loads in
-// flight, not by NVLink. kBatch: rows' loads a lane has in flight (8 spills at 1024 threads).
-// Each output sums its slots in the same order either way: the bits do not depend on the launch.
-template <int kThreads, int kBatch>
+// GEMM (kWideBlock) fills each of its few SMs with one 1024-thread block (59 registers a
+// thread, allocated as 64: the whole register file, so no other block shares the SM). That
+// is twice the warps, and so twice the loads in flight, of two 256-thread blocks: on few SMs
+// the copy is bound mostly by its loads in flight, not by NVLink (kCopyBatch rows' loads a
+// lane; 8 spill at 1024 threads). Each output sums its slots in the same order either way:
+// the bits do not depend on the launch.
+template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(const __grid_constant__ comm::PeerTable peers,
                         const __grid_constant__ BufferLayout layout,
@@ -56,11 +57,11 @@ __global__ void __launch_bounds__(kThreads)
       const int c = c0 + lane * 8;
       const bool in_row = c < H;
       float acc[8] = {};
-      for (int j0 = 0; j0 < k; j0 += kBatch) {  // kBatch rows' loads in flight, then in order
-        uint4 v[kBatch];
-        float w[kBatch];
+      for (int j0 = 0; j0 < k; j0 += kCopyBatch) {  // kCopyBatch rows' loads in flight, then in order
+        uint4 v[kCopyBatch];
+        float w[kCopyBatch];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
+        for (int b = 0; b < kCopyBatch; ++b) {
           const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
           w[b] = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
           const bool used = j0 + b < k && row >= 0;
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kThreads)
           if (!used) w[b] = 0.f;
         }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) fma_row(acc, w[b], v[b]);
+        for (int b = 0; b < kCopyBatch; ++b) fma_row(acc, w[b], v[b]);
       }
       if (in_row) *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
     }
@@ -220,19 +221,19 @@ void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
 
 constexpr int kWideBlock = 1024;  // threads of the launch beside a GEMM: one block per SM
 [[maybe_unused]] const bool kPreloadable =
-    register_kernel_module(&combine_send_kernel<kCopyThreads, kCopyBatch>) &&
-    register_kernel_module(&combine_send_kernel<kWideBlock, kCopyBatch>);
+    register_kernel_module(&combine_send_kernel<kCopyThreads>) &&
+    register_kernel_module(&combine_send_kernel<kWideBlock>);
 
 }  // namespace
 
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
                   const float* dp_rows, cudaStream_t stream, int blocks, DispatchPart part) {
   if (blocks > 0) {  // beside a GEMM: `blocks` counts 256-thread blocks, two per copy SM
-    combine_send_kernel<kWideBlock, kCopyBatch>
+    combine_send_kernel<kWideBlock>
         <<<std::max(1, blocks / 2), kWideBlock, 0, stream>>>(c.g.peers, c.buffer, rows,
                                                              row_weights, dp_rows, c.w.skip, part);
   } else {
-    combine_send_kernel<kCopyThreads, kCopyBatch><<<c.copy_blocks, kCopyThreads, 0, stream>>>(
+    combine_send_kernel<kCopyThreads><<<c.copy_blocks, kCopyThreads, 0, stream>>>(
         c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip, part);
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
