@@ -52,6 +52,10 @@ class SwiGLUBackwardEpilogue {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kOutCols = kBlockN;  // of a = silu(g) u; dh has two such tiles
   static constexpr BColumns kBColumns = BColumns::kContiguous;
+  // Round-robin tiles, as before the producers passed them: with passed tiles the FP8 dgrad
+  // ran 2-9% slower at 235b, for the same bits (the performance log, thirteenth session of
+  // 2026-12-04). The bf16 dgrad gathers its A rows, so it walks the round-robin order anyway.
+  static constexpr bool kRoundRobinTilesOnly = true;
 
   struct Operands {
     const __nv_bfloat16* h;      // [sorted rows, 2I]
