@@ -5,6 +5,7 @@
 
 #include "comm/ep_phases.h"
 #include "comm/peer_sync.cuh"
+#include "comm/staged_row_sums.cuh"
 #include "core/cuda_check.h"
 #include "kernels/common/bf16_row.cuh"
 #include "kernels/common/kernel_preload.h"
@@ -16,66 +17,47 @@ namespace {
 // expert-sorted outputs; forward: weighted by the router weight, backward: the dx rows,
 // unweighted), over its slots in slot order in fp32, rounded once to bf16 and stored in its
 // source's combine area at [this rank, token]; the backward also sends each slot's d
-// topk_weights. One warp per received token; nothing when the call is skipped.
-// kThreads: the default launch spreads 256-thread blocks over every SM; the launch beside a
-// GEMM (kWideBlock) fills each of its few SMs with one 1024-thread block (59 registers a
-// thread, allocated as 64: the whole register file, so no other block shares the SM). That
-// is twice the warps, and so twice the loads in flight, of two 256-thread blocks: on few SMs
-// the copy is bound mostly by its loads in flight, not by NVLink (kCopyBatch rows' loads a
-// lane; 8 spill at 1024 threads). Each output sums its slots in the same order either way:
-// the bits do not depend on the launch.
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
+// topk_weights. One warp per received token at a time, its rows staged in shared memory by
+// bulk copies (staged_row_sums.cuh), one block per SM; nothing when the call is skipped.
+// The bits depend on neither the grid nor kMaxRows.
+template <int kMaxRows>
+__global__ void __launch_bounds__(StagedRowSums<kMaxRows>::kThreads, 1)
     combine_send_kernel(const __grid_constant__ comm::PeerTable peers,
                         const __grid_constant__ BufferLayout layout,
                         const __nv_bfloat16* __restrict__ rows,
                         const float* __restrict__ row_weights,  // null: 1
                         const float* __restrict__ dp_rows,      // null: forward
                         const int32_t* __restrict__ skip, DispatchPart part) {
+  using Sums = StagedRowSums<kMaxRows>;
+  extern __shared__ __align__(1024) uint8_t smem[];
   if (*skip) return;
   const int world = peers.world_size, k = layout.topk, H = layout.hidden;
   const int lane = threadIdx.x % 32;
   char* own = peers.buffers[peers.rank];
   const int32_t* count = at<int32_t>(own, layout.recv_token_count);
   const int64_t tokens = int64_t(world) * layout.max_tokens;
-  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
-  for (int64_t i = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; i < tokens; i += warps) {
-    const int source = static_cast<int>(i / layout.max_tokens);
-    if (i - int64_t(source) * layout.max_tokens >= count[source]) continue;
-    if (part != DispatchPart::kAll && (source == peers.rank) != (part == DispatchPart::kSelf)) {
-      continue;
-    }
-    const int64_t t = at<int32_t>(own, layout.recv_token_source)[i];
-    const int32_t my_row = lane < k ? at<int32_t>(own, layout.recv_slot_row)[i * k + lane] : -1;
-    const float my_weight = my_row >= 0 && row_weights != nullptr ? row_weights[my_row] : 1.f;
-    char* dst = peers.buffers[source];
-    auto* out = at<__nv_bfloat16>(dst, layout.combine_rows) +
-                (int64_t(peers.rank) * layout.max_tokens + t) * H;
-    // Every lane runs every pass (the shuffles below need the whole warp), also where H is
-    // not a multiple of 256 and the last pass covers only some lanes' columns.
-    for (int c0 = 0; c0 < H; c0 += 32 * 8) {
-      const int c = c0 + lane * 8;
-      const bool in_row = c < H;
-      float acc[8] = {};
-      for (int j0 = 0; j0 < k; j0 += kCopyBatch) {  // kCopyBatch rows' loads in flight, then in order
-        uint4 v[kCopyBatch];
-        float w[kCopyBatch];
-#pragma unroll
-        for (int b = 0; b < kCopyBatch; ++b) {
-          const int32_t row = __shfl_sync(0xffffffffu, my_row, (j0 + b) % 32);
-          w[b] = __shfl_sync(0xffffffffu, my_weight, (j0 + b) % 32);
-          const bool used = j0 + b < k && row >= 0;
-          v[b] = used && in_row ? *reinterpret_cast<const uint4*>(rows + int64_t(row) * H + c)
-                                : make_uint4(0, 0, 0, 0);
-          if (!used) w[b] = 0.f;
-        }
-#pragma unroll
-        for (int b = 0; b < kCopyBatch; ++b) fma_row(acc, w[b], v[b]);
+  const int64_t warps = int64_t(gridDim.x) * Sums::kWarps;
+  int64_t i = blockIdx.x * int64_t(Sums::kWarps) + threadIdx.x / 32;
+  Sums::run(rows, H, k, smem, [&]() -> StagedToken {
+    for (; i < tokens; i += warps) {
+      const int source = static_cast<int>(i / layout.max_tokens);
+      if (i - int64_t(source) * layout.max_tokens >= count[source]) continue;
+      if (part != DispatchPart::kAll &&
+          (source == peers.rank) != (part == DispatchPart::kSelf)) {
+        continue;
       }
-      if (in_row) *reinterpret_cast<uint4*>(out + c) = pack_row(acc);
+      const int64_t t = at<int32_t>(own, layout.recv_token_source)[i];
+      const int32_t row = lane < k ? at<int32_t>(own, layout.recv_slot_row)[i * k + lane] : -1;
+      const float weight = row >= 0 && row_weights != nullptr ? row_weights[row] : 1.f;
+      char* dst = peers.buffers[source];
+      if (dp_rows != nullptr && row >= 0) at<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[row];
+      auto* out = at<__nv_bfloat16>(dst, layout.combine_rows) +
+                  (int64_t(peers.rank) * layout.max_tokens + t) * H;
+      i += warps;
+      return {false, row, weight, out};
     }
-    if (dp_rows != nullptr && my_row >= 0) at<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[my_row];
-  }
+    return {true, -1, 0.f, nullptr};
+  });
   __threadfence_system();
 }
 
@@ -117,9 +99,9 @@ __global__ void __launch_bounds__(kCopyThreads)
 // after the timeout or when an earlier wait of this rank has failed (the error word is set),
 // so that a dead peer costs one timeout. Then the default path's arithmetic, operation for
 // operation: per owner d that received the token, in rank order, the fma of every slot in
-// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0, as in
-// combine_send), rounded to bf16 (d's partial), summed in fp32 and rounded again
-// (final_combine_kernel). The grid is one block per SM at most: under emulation a spinning
+// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0: the
+// bits of combine_send, which skips them, staged_row_sums.cuh), rounded to bf16 (d's
+// partial), summed in fp32 and rounded again (final_combine_kernel). The grid is one block per SM at most: under emulation a spinning
 // rank must leave whole SMs to its peers' GEMMs (docs/expert-parallel.md).
 template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
@@ -219,22 +201,32 @@ void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-constexpr int kWideBlock = 1024;  // threads of the launch beside a GEMM: one block per SM
 [[maybe_unused]] const bool kPreloadable =
-    register_kernel_module(&combine_send_kernel<kCopyThreads>) &&
-    register_kernel_module(&combine_send_kernel<kWideBlock>);
+    register_kernel_module(&combine_send_kernel<8>) &&
+    register_kernel_module(&combine_send_kernel<16>);
+
+template <int kMaxRows>
+void launch_combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
+                         const float* dp_rows, cudaStream_t stream, int sms, DispatchPart part) {
+  constexpr int kBytes = StagedRowSums<kMaxRows>::kSharedBytes;
+  auto* kernel = &combine_send_kernel<kMaxRows>;
+  MEGAMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  kernel<<<sms, StagedRowSums<kMaxRows>::kThreads, kBytes, stream>>>(
+      c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip, part);
+}
 
 }  // namespace
 
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
                   const float* dp_rows, cudaStream_t stream, int blocks, DispatchPart part) {
-  if (blocks > 0) {  // beside a GEMM: `blocks` counts 256-thread blocks, two per copy SM
-    combine_send_kernel<kWideBlock>
-        <<<std::max(1, blocks / 2), kWideBlock, 0, stream>>>(c.g.peers, c.buffer, rows,
-                                                             row_weights, dp_rows, c.w.skip, part);
+  // One block per SM: the copy SMs beside a GEMM (`blocks` counts two 256-thread blocks per
+  // copy SM, as the other copy kernels' launches), or every SM of the call.
+  const int sms = std::max(1, (blocks > 0 ? blocks : c.copy_blocks) / 2);
+  if (c.buffer.topk <= 8) {
+    launch_combine_send<8>(c, rows, row_weights, dp_rows, stream, sms, part);
   } else {
-    combine_send_kernel<kCopyThreads><<<c.copy_blocks, kCopyThreads, 0, stream>>>(
-        c.g.peers, c.buffer, rows, row_weights, dp_rows, c.w.skip, part);
+    launch_combine_send<16>(c, rows, row_weights, dp_rows, stream, sms, part);
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }

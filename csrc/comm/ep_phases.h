@@ -46,11 +46,11 @@ void received_slot_rows(const Call& c, int32_t* out, cudaStream_t stream);
 // ep_combine.cu, step 6: per received token, its rows of `rows` (this rank's results in
 // received-row order) summed over its slots in slot order in fp32, weighted by
 // row_weights (null: 1), rounded once to bf16, into its source's combine area; with
-// dp_rows, also each slot's d topk_weights. blocks: 0 for c.copy_blocks 256-thread blocks
-// over every SM; else, beside a GEMM, the copy's 256-thread-block budget (two per copy SM),
-// launched as one 1024-thread block per copy SM. part: the
-// tokens of every source, of this rank only, or of the others only (the overlapped forward
-// sends the peers' partial sums while L2 runs on the own rows).
+// dp_rows, also each slot's d topk_weights; the rows staged in shared memory by bulk copies,
+// one block per SM (staged_row_sums.cuh). blocks: 0 for the call's SMs (c.copy_blocks / 2);
+// else, beside a GEMM, the copy's 256-thread-block budget (two per copy SM), one block per
+// copy SM. part: the tokens of every source, of this rank only, or of the others only (the
+// overlapped forward sends the peers' partial sums while L2 runs on the own rows).
 void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_weights,
                   const float* dp_rows, cudaStream_t stream, int blocks = 0,
                   DispatchPart part = DispatchPart::kAll);
