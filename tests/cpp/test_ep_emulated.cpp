@@ -49,6 +49,14 @@ TEST_P(EpEmulated, KIsOne) {
   check(129, 256, 128, 8, 1, Routing::kRandom, 0.1, 129 * world_, megamoe_test::fresh_seed());
 }
 
+// Many slots a token: k = 8, and k = 16, whose combine send stages up to 16 rows a token
+// (StagedRowSums<16>, half the warps).
+TEST_P(EpEmulated, ManySlots) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  check(64, 256, 128, 32, 8, Routing::kRandom, 0.05, 64 * 8 * world_, seed);
+  check(48, 384, 128, 32, 16, Routing::kRandom, 0.05, 48 * 16 * world_, seed + 1);
+}
+
 // 128-wide L2 tiles (H not a multiple of 256): the epilogue combine's rows then arrive in
 // three N-tiles, its counters count to H in steps of 128.
 TEST_P(EpEmulated, NarrowL2Tiles) {

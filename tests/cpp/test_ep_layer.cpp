@@ -2,8 +2,8 @@
 // access: EP=W forward and backward against the EP=1 layer and the one-GPU fused layer on
 // the same global problem, and the forward against the float64 CPU reference
 // (ep_layer_test_util.h says what must match bitwise); a rank that receives nothing, every
-// token on one rank, k = 1, -1 ids, 128-wide L2 tiles, repeated calls on the same buffers
-// (bitwise equal), a limited number of copy SMs, and the capacity error. Every case runs on
+// token on one rank, k = 1, 8 and 16, -1 ids, 128-wide L2 tiles, repeated calls on the same
+// buffers (bitwise equal), a limited number of copy SMs, and the capacity error. Every case runs on
 // each forward path (.../Default, the epilogue combine, where L2's epilogue stores rows into
 // their sources' slots over NVLink, the dispatch beside the own rows' chain with the
 // backward's dx send beside its weight gradients, and both): the same bits. test_ep_emulated.cpp runs the same cases on ranks emulated on one GPU.
@@ -31,6 +31,9 @@ TEST_P(EpLayerGpu, MatchesOneGpuLayer) {
   check(1000, 512, 256, 16, 4, Routing::kRandom, 0.0, 1000 * 4 * 8, seed + 1);
   check(129, 256, 128, 8, 1, Routing::kRandom, 0.1, 129 * 8, seed + 2);  // k = 1
   check(200, 384, 128, 8, 2, Routing::kRandom, 0.05, 200 * 2 * 8, seed + 3);  // 128-wide L2
+  // k = 8 and k = 16 (the combine send's 16-row stages)
+  check(256, 256, 128, 32, 8, Routing::kRandom, 0.05, 256 * 8 * 8, seed + 4);
+  check(128, 384, 128, 32, 16, Routing::kRandom, 0.05, 128 * 16 * 8, seed + 5);
 }
 
 TEST_P(EpLayerGpu, EveryTokenOnOneRank) {
