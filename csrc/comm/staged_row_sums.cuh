@@ -2,11 +2,11 @@
 // in fp32 (forward: weighted by the router weights) and rounded once to bf16, with the rows
 // brought into shared memory by bulk copies (1-D TMA) instead of the lanes' own loads.
 //
-// Why: on the few SMs of a send beside a GEMM, a send whose lanes load the rows ran at
-// 33-42 GB/s per SM whatever the number of loads a lane had in flight (two or four rows,
-// 768 or 1024 threads); its warps stalled on those loads 60-72% of the time. Bulk copies
-// keep the bytes in flight in the copy engine: 1.4-1.7x the rate on 16 or 32 SMs, and
-// 1.9-2.3x on every SM against two 256-thread blocks per SM, for the same bits
+// Why: on the few SMs of a send beside a GEMM, a send whose lanes load the rows ran at no
+// more than 36 GB/s per SM at EP = 2 whatever the number of loads a lane had in flight (two
+// or four rows, 768 or 1024 threads); its warps stalled on those loads 60-72% of the time.
+// Bulk copies keep the bytes in flight in the copy engine: 1.4-1.7x the rate on 16 or 32
+// SMs, and 1.9-2.3x on every SM against two 256-thread blocks per SM, for the same bits
 // (tools/send_rate.cu; the performance log, thirteenth session of 2026-12-04).
 //
 // Each warp works alone on its own ring of kStages stages in shared memory: a stage holds
