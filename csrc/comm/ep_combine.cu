@@ -99,10 +99,11 @@ __global__ void __launch_bounds__(kCopyThreads)
 // after the timeout or when an earlier wait of this rank has failed (the error word is set),
 // so that a dead peer costs one timeout. Then the default path's arithmetic, operation for
 // operation: per owner d that received the token, in rank order, the fma of every slot in
-// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0: the
-// bits of combine_send, which skips them, staged_row_sums.cuh), rounded to bf16 (d's
-// partial), summed in fp32 and rounded again (final_combine_kernel). The grid is one block per SM at most: under emulation a spinning
-// rank must leave whole SMs to its peers' GEMMs (docs/expert-parallel.md).
+// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0, which
+// combine_send skips: staged_row_sums.cuh says where that can turn a zero's sign), rounded
+// to bf16 (d's partial), summed in fp32 and rounded again (final_combine_kernel). The grid
+// is one block per SM at most: under emulation a spinning rank must leave whole SMs to its
+// peers' GEMMs (docs/expert-parallel.md).
 template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
     final_combine_slots_kernel(const __grid_constant__ comm::PeerTable peers,
