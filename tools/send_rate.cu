@@ -10,6 +10,8 @@
 // this measures the loads' side, which two-GPU timelines found to bound the sends on few
 // SMs (performance log, twelfth session of 2026-12-04). Every launch's output is checked
 // bit for bit against the first one's. Results: performance log, thirteenth session.
+// First, the dispatch's copies the same way: each token's x row to two destinations, by the
+// lanes' loads (before) or staged by bulk copies (comm/staged_row_copy.cuh).
 //
 // Build (nothing to link):
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc tools/send_rate.cu \
@@ -26,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/staged_row_copy.cuh"
 #include "comm/staged_row_sums.cuh"
 
 #define CK(x)                                                                   \
@@ -130,6 +133,71 @@ __global__ void __launch_bounds__(megamoe::ep::StagedRowSums<8>::kThreads, 1)
   });
 }
 
+// The dispatch's copies: each token's x row (H bf16) to two destinations (its own rank and
+// one peer, as nearly every token at EP = 2), at the token's place there. Before: one warp a
+// token, 4 16-byte loads a lane in flight, then the stores (ep_dispatch.cu's copy_row_to of
+// before the staged copies), two 256-thread blocks per SM.
+__global__ void __launch_bounds__(256)
+    copy_lanes_kernel(const __nv_bfloat16* __restrict__ x, int64_t T, int H,
+                      __nv_bfloat16* __restrict__ dst0, __nv_bfloat16* __restrict__ dst1) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * 8;
+  const int n = H * 2 / 16;
+  for (int64_t t = blockIdx.x * 8 + threadIdx.x / 32; t < T; t += warps) {
+    const auto* s = reinterpret_cast<const uint4*>(x + t * H);
+    for (int base = lane; base < n; base += 32 * 4) {
+      uint4 v[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        if (base + 32 * b < n) v[b] = s[base + 32 * b];
+      }
+      uint4* d[2] = {reinterpret_cast<uint4*>(dst0 + t * H),
+                     reinterpret_cast<uint4*>(dst1 + t * H)};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          if (base + 32 * b < n) d[i][base + 32 * b] = v[b];
+        }
+      }
+    }
+  }
+}
+
+// The library's staged copy (ep_dispatch.cu's shape: 12 warps of 4 stages of 4 KiB).
+using DispatchCopy = megamoe::ep::StagedRowCopy<12, 4, 4096>;
+__global__ void __launch_bounds__(DispatchCopy::kThreads, 1)
+    copy_staged_kernel(const __nv_bfloat16* __restrict__ x, int64_t T, int H,
+                       __nv_bfloat16* __restrict__ dst0, __nv_bfloat16* __restrict__ dst1) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * 12;
+  int64_t t = blockIdx.x * 12 + threadIdx.x / 32;
+  int offset = 0;
+  const int bytes = H * 2;
+  DispatchCopy::run(
+      smem,
+      [&](megamoe::ep::StagedPiece& piece) -> bool {
+        if (t >= T) return false;
+        const int n = bytes - offset < 4096 ? bytes - offset : 4096;
+        piece = {reinterpret_cast<const char*>(x + t * H) + offset, t, n, 0, offset, 0};
+        offset += n;
+        if (offset == bytes) {
+          offset = 0;
+          t += warps;
+        }
+        return true;
+      },
+      [&](const megamoe::ep::StagedPiece& piece, const uint8_t* staged) {
+        const auto* from = reinterpret_cast<const uint4*>(staged);
+        for (__nv_bfloat16* dst : {dst0, dst1}) {
+          auto* to = reinterpret_cast<uint4*>(reinterpret_cast<char*>(dst + piece.token * H) +
+                                              piece.offset);
+          for (int o = lane; o < piece.bytes / 16; o += 32) to[o] = from[o];
+        }
+      });
+}
+
 struct Data {
   int H;
   double p;
@@ -209,6 +277,49 @@ void time_staged(const Data& d, int blocks, int iters, const char* name) {
   CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
 }
 
+// Times the two copies on `sms_used` SMs (the lanes' version two 256-thread blocks a SM) and
+// checks both destinations against x bit for bit.
+void time_dispatch(int H, int sms_used, int iters, const char* name) {
+  __nv_bfloat16 *x, *d0, *d1;
+  CK(cudaMalloc(&x, kT * H * 2)); CK(cudaMalloc(&d0, kT * H * 2)); CK(cudaMalloc(&d1, kT * H * 2));
+  fill_rows<<<264, 256>>>(x, kT * H, 11u + H);
+  CK(cudaFuncSetAttribute(copy_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          DispatchCopy::kSharedBytes));
+  for (const bool staged : {false, true}) {
+    CK(cudaMemset(d0, 0xff, kT * H * 2)); CK(cudaMemset(d1, 0xff, kT * H * 2));
+    std::vector<float> ms;
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+    const int warmup = iters > 1 ? 3 : 0;
+    for (int i = 0; i < iters + warmup; ++i) {
+      CK(cudaEventRecord(a));
+      if (staged) {
+        copy_staged_kernel<<<sms_used, DispatchCopy::kThreads, DispatchCopy::kSharedBytes>>>(
+            x, kT, H, d0, d1);
+      } else {
+        copy_lanes_kernel<<<2 * sms_used, 256>>>(x, kT, H, d0, d1);
+      }
+      CK(cudaEventRecord(b));
+      CK(cudaEventSynchronize(b));
+      float t;
+      CK(cudaEventElapsedTime(&t, a, b));
+      if (i >= warmup) ms.push_back(t);
+    }
+    CK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    const double us = 1e3 * ms[ms.size() / 2];
+    std::vector<uint16_t> hx(kT * H), h0(kT * H), h1(kT * H);
+    CK(cudaMemcpy(hx.data(), x, hx.size() * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h0.data(), d0, h0.size() * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h1.data(), d1, h1.size() * 2, cudaMemcpyDeviceToHost));
+    std::printf("dispatch H=%d %-26s %s %8.1f us %7.1f GB/s  %s\n", H, name,
+                staged ? "staged (library)        " : "lanes (2 x 256 a SM)    ", us,
+                3.0 * kT * H * 2 / (us * 1e3), hx == h0 && hx == h1 ? "copies exact" : "WRONG COPY");
+    CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
+  }
+  CK(cudaFree(x)); CK(cudaFree(d0)); CK(cudaFree(d1));
+}
+
 // One synthetic owner: the slots' rows drawn from the first `span` of the R rows.
 void run_case(int H, double p, int64_t span, int sms, int iters) {
   Data d{H, p};
@@ -267,6 +378,11 @@ int main(int argc, char** argv) {
     run_case(2048, 0.5, kR, sms, iters);
     run_case(2048, 0.125, kR, sms, iters);
     return 0;
+  }
+  for (const int H : {2048, 4096}) {
+    time_dispatch(H, sms, iters, "every SM");
+    time_dispatch(H, 16, iters, "16 SMs (beside a GEMM)");
+    time_dispatch(H, 32, iters, "32 SMs (beside a GEMM)");
   }
   for (const int H : {2048, 4096}) {
     for (const double p : {0.5, 0.25, 0.125}) run_case(H, p, kR, sms, iters);

@@ -1,39 +1,16 @@
 // Step 4 of an expert-parallel call (ep_layer.h lists them all): every token's rows to the
 // ranks that own its experts, by peer stores.
 #include <algorithm>
+#include <type_traits>
 
 #include "comm/ep_phases.h"
+#include "comm/staged_row_copy.cuh"
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
 
 namespace megamoe::ep {
 namespace {
-
-// One warp copies a row of `bytes` (a multiple of 16) to several places (16 bytes per lane,
-// kCopyBatch loads in flight before the stores); dst(i) gives the i-th destination row or
-// null.
-template <class Destination>
-__device__ __forceinline__ void copy_row_to(const void* src, int bytes, int lane, int count,
-                                            Destination dst) {
-  const auto* s = reinterpret_cast<const uint4*>(src);
-  const int n = bytes / 16;
-  for (int base = lane; base < n; base += 32 * kCopyBatch) {
-    uint4 v[kCopyBatch];
-#pragma unroll
-    for (int b = 0; b < kCopyBatch; ++b) {
-      if (base + 32 * b < n) v[b] = s[base + 32 * b];
-    }
-    for (int i = 0; i < count; ++i) {
-      auto* d = reinterpret_cast<uint4*>(dst(i));
-      if (d == nullptr) continue;
-#pragma unroll
-      for (int b = 0; b < kCopyBatch; ++b) {
-        if (base + 32 * b < n) d[base + 32 * b] = v[b];
-      }
-    }
-  }
-}
 
 // 4. Each token once to each rank that owns one of its experts: the x row (backward: and
 // the dy row; with x_fp8.q, the FP8 forward's quantized dispatch: the token's e4m3 row and
@@ -43,9 +20,16 @@ __device__ __forceinline__ void copy_row_to(const void* src, int bytes, int lane
 // every owner, or (the overlapped forward) this rank only, without copying the rows (L1
 // reads them from x: own_row_token gets each own row's token), or the other ranks only.
 // x null: no x rows (the overlapped backward's dy and metadata); metadata false: the rows
-// alone (its x rows, sent later beside the L2 dgrad).
+// alone (its x rows, sent later beside the L2 dgrad). A warp's tokens: their metadata as it
+// reaches each, their rows staged in shared memory by bulk copies in pieces of up to
+// kDispatchStageBytes and stored from there by the lanes (staged_row_copy.cuh); one block
+// per SM.
+constexpr int kDispatchWarps = 12, kDispatchStages = 4, kDispatchStageBytes = 4096;
+using DispatchCopy = StagedRowCopy<kDispatchWarps, kDispatchStages, kDispatchStageBytes>;
+enum RowKind : int32_t { kRowX = 0, kRowXFp8 = 1, kRowDy = 2 };
+
 template <class Id>
-__global__ void __launch_bounds__(kCopyThreads)
+__global__ void __launch_bounds__(DispatchCopy::kThreads, 1)
     dispatch_kernel(const __grid_constant__ comm::PeerTable peers,
                     const __grid_constant__ BufferLayout layout,
                     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ dy,
@@ -67,8 +51,15 @@ __global__ void __launch_bounds__(kCopyThreads)
           token_count[threadIdx.x];
     }
     const int lane = threadIdx.x % 32;
-    const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
-    for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
+    const int64_t warps = int64_t(gridDim.x) * kDispatchWarps;
+    // The token's index on rank d, -1 where it does not go.
+    const auto there = [&](int64_t t, int d) -> int64_t {
+      const int32_t pos = token_pos[t * world + d];
+      if (pos < 0 || !serves(d)) return -1;
+      return int64_t(peers.rank) * layout.max_tokens + pos;
+    };
+    // This token's metadata (and FP8 scales) at every rank it goes to.
+    const auto token_metadata = [&](int64_t t) {
       int64_t id = -1, slot_owner = -1;
       int32_t r = -1;
       if (lane < k) {
@@ -78,35 +69,16 @@ __global__ void __launch_bounds__(kCopyThreads)
           slot_owner = id / experts_per_rank;
         }
       }
-      // The token's index on rank d, -1 where it does not go.
-      const auto there = [&](int d) -> int64_t {
-        const int32_t pos = token_pos[t * world + d];
-        if (pos < 0 || !serves(d)) return -1;
-        return int64_t(peers.rank) * layout.max_tokens + pos;
-      };
-      // The rows, read once, to every destination rank: rows of row_bytes in `area`.
-      const auto to = [&](size_t area, int64_t row_bytes) {
-        return [&, area, row_bytes](int d) -> char* {
-          const int64_t i = there(d);
-          return i < 0 ? nullptr : at<char>(peers.buffers[d], area) + i * row_bytes;
-        };
-      };
-      if (part != DispatchPart::kSelf) {
-        if (x_fp8.q != nullptr) {
-          copy_row_to(x_fp8.q + t * H, H, lane, world, to(layout.recv_x, H));
-          for (int j = lane; j < H / 128; j += 32) {
-            const float s = x_fp8.scales[j * x_fp8.scale_ld + t];
-            for (int d = 0; d < world; ++d) {
-              const int64_t i = there(d);
-              if (i >= 0) {
-                at<float>(peers.buffers[d], layout.recv_x_scales)[j * layout.recv_x_scale_ld + i] = s;
-              }
+      if (part != DispatchPart::kSelf && x_fp8.q != nullptr) {
+        for (int j = lane; j < H / 128; j += 32) {
+          const float s = x_fp8.scales[j * x_fp8.scale_ld + t];
+          for (int d = 0; d < world; ++d) {
+            const int64_t i = there(t, d);
+            if (i >= 0) {
+              at<float>(peers.buffers[d], layout.recv_x_scales)[j * layout.recv_x_scale_ld + i] = s;
             }
           }
-        } else if (x != nullptr) {
-          copy_row_to(x + t * H, 2 * H, lane, world, to(layout.recv_x, 2 * H));
         }
-        if (dy != nullptr) copy_row_to(dy + t * H, 2 * H, lane, world, to(layout.recv_dy, 2 * H));
       }
       for (int d = 0; metadata && d < world; ++d) {
         const int32_t pos = token_pos[t * world + d];
@@ -130,7 +102,67 @@ __global__ void __launch_bounds__(kCopyThreads)
         }
         if (lane == 0) at<int32_t>(dst, layout.recv_token_source)[i] = static_cast<int32_t>(t);
       }
+    };
+    // The rows a token sends, in order: x (bf16, or the FP8 dispatch's e4m3 row), then dy.
+    // (Two named kinds, not an array: a dynamically indexed array would live in local memory.)
+    int kind0 = kRowDy, kind1 = kRowDy, rows = 0;
+    if (part != DispatchPart::kSelf) {
+      if (x_fp8.q != nullptr || x != nullptr) {
+        kind0 = x_fp8.q != nullptr ? kRowXFp8 : kRowX;
+        ++rows;
+      }
+      if (dy != nullptr) ++rows;  // kind0 (no x) or kind1 is already kRowDy
     }
+    const auto kind_of = [&](int r) { return r == 0 ? kind0 : kind1; };
+    const auto row_bytes = [&](int kind) { return kind == kRowXFp8 ? H : 2 * H; };
+    const auto row_src = [&](int kind, int64_t t) -> const char* {
+      if (kind == kRowXFp8) return reinterpret_cast<const char*>(x_fp8.q + t * H);
+      return reinterpret_cast<const char*>((kind == kRowX ? x : dy) + t * H);
+    };
+    // The cursor over this warp's pieces: token t, its row ri, the piece at offset.
+    int64_t t = blockIdx.x * int64_t(kDispatchWarps) + threadIdx.x / 32;
+    int ri = rows, offset = 0;  // ri == rows: t's metadata not yet written
+    bool started = false;
+    extern __shared__ __align__(1024) uint8_t smem[];
+    DispatchCopy::run(
+        smem,
+        [&](StagedPiece& piece) -> bool {
+          while (true) {
+            if (started && ri < rows) {
+              const int kind = kind_of(ri);
+              const int bytes = row_bytes(kind);
+              const int n = bytes - offset < kDispatchStageBytes ? bytes - offset
+                                                                 : kDispatchStageBytes;
+              piece = {row_src(kind, t) + offset, t, n, kind, offset, 0};
+              offset += n;
+              if (offset == bytes) {
+                ++ri;
+                offset = 0;
+              }
+              return true;
+            }
+            if (started) t += warps;
+            started = true;
+            if (t >= T) return false;
+            token_metadata(t);
+            // Rows only for a token that goes somewhere (every id -1: nowhere).
+            bool anywhere = false;
+            for (int d = 0; d < world; ++d) anywhere = anywhere || there(t, d) >= 0;
+            ri = anywhere ? 0 : rows;
+          }
+        },
+        [&](const StagedPiece& piece, const uint8_t* staged) {
+          const size_t area = piece.kind == kRowDy ? layout.recv_dy : layout.recv_x;
+          const int64_t stride = row_bytes(piece.kind);
+          const auto* from = reinterpret_cast<const uint4*>(staged);
+          for (int d = 0; d < world; ++d) {
+            const int64_t i = there(piece.token, d);
+            if (i < 0) continue;
+            auto* to = reinterpret_cast<uint4*>(at<char>(peers.buffers[d], area) + i * stride +
+                                                piece.offset);
+            for (int o = lane; o < piece.bytes / 16; o += 32) to[o] = from[o];
+          }
+        });
   }
   __threadfence_system();  // before the phase kernel's release signal
 }
@@ -170,7 +202,12 @@ void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
   }
   const chain::Fp8Rows x_fp8 = c.w.fp8_dispatch ? c.w.x_fp8_tokens : chain::Fp8Rows{};
   const auto launch = [&](auto* ids) {
-    dispatch_kernel<<<blocks > 0 ? blocks : c.copy_blocks, kCopyThreads, 0, stream>>>(
+    auto* kernel = &dispatch_kernel<std::remove_cv_t<std::remove_pointer_t<decltype(ids)>>>;
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            DispatchCopy::kSharedBytes));
+    // One block per SM: `blocks` (two 256-thread blocks per copy SM) or the call's.
+    const int sms = std::max(1, (blocks > 0 ? blocks : c.copy_blocks) / 2);
+    kernel<<<sms, DispatchCopy::kThreads, DispatchCopy::kSharedBytes, stream>>>(
         c.g.peers, c.buffer, x, dy, ids, topk_weights, c.w.local.plan.slot_row,
         c.w.local.plan.expert_offsets, c.w.send_base, c.w.token_pos, c.w.token_count, c.w.skip,
         c.T, static_cast<int32_t>(c.e_local), part, metadata, c.w.own_row_token, x_fp8);

@@ -30,7 +30,9 @@ enum class DispatchPart : int32_t { kAll, kSelf, kPeers };
 // that owns one of its experts, with its slots' rows, router weights and token there. With
 // c.w.fp8_dispatch (the FP8 forward), the token's e4m3 row and scales from
 // c.w.x_fp8_tokens (written on `stream` before) instead of its x row.
-// Nothing is sent when the call is skipped. blocks: the grid (0: c.copy_blocks). x null:
+// Nothing is sent when the call is skipped. The rows are staged in shared memory by bulk
+// copies (staged_row_copy.cuh), one block per SM. blocks: two per SM to use (0:
+// c.copy_blocks, the call's SMs). x null:
 // no x rows; metadata false: the rows alone, without the slots' rows, weights, tokens and
 // counts (the overlapped backward sends dy with those first, x after them: the same bytes).
 void dispatch(const Call& c, const __nv_bfloat16* x, const __nv_bfloat16* dy,
