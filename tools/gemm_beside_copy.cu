@@ -26,6 +26,7 @@
 
 #include "kernels/common/sm_count.h"
 #include "kernels/sm90/gemm.h"
+#include "check_cuda.h"
 
 __global__ void hog_kernel(long long ns) {
   extern __shared__ char smem[];
@@ -36,14 +37,6 @@ __global__ void hog_kernel(long long ns) {
   if (threadIdx.x == 0 && now == 0) smem[0] = 1;
 }
 
-#define CK(x)                                                                   \
-  do {                                                                          \
-    const cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                                     \
-      std::printf("CUDA %s at line %d\n", cudaGetErrorString(e), __LINE__);    \
-      std::exit(1);                                                             \
-    }                                                                           \
-  } while (0)
 
 int main(int argc, char** argv) {
   const int hog_sms = argc > 1 ? std::atoi(argv[1]) : 16;

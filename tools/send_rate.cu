@@ -27,15 +27,7 @@
 #include <vector>
 
 #include "comm/staged_row_sums.cuh"
-
-#define CK(x)                                                                   \
-  do {                                                                          \
-    const cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                                     \
-      std::printf("CUDA %s at line %d\n", cudaGetErrorString(e), __LINE__);    \
-      std::exit(1);                                                             \
-    }                                                                           \
-  } while (0)
+#include "check_cuda.h"
 
 namespace {
 
@@ -142,54 +134,20 @@ struct Data {
 constexpr int64_t kR = 131072, kT = 16384;
 constexpr int kK = 8;
 
-template <int kThreads, int kBatch, bool kCompact>
-void time_launch(const Data& d, int blocks, int iters, const char* name) {
+// Runs `launch` (iters times after 3 warm-up runs; once, for a profiler, when iters is 1)
+// on a poisoned output, prints the median time, the rate and how the output compares with
+// d.first's (none: this is the reference), each line labelled by `what`.
+template <class Launch>
+void time_sums(const Data& d, const char* name, int blocks, int threads, const char* what,
+               Launch&& launch, int iters) {
   CK(cudaMemset(d.out, 0xff, kT * d.H * 2));  // poisoned: every row must be written
-  std::vector<float> ms;
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
-  const int warmup = iters > 1 ? 3 : 0;  // one launch a shape under a profiler
-  for (int i = 0; i < iters + warmup; ++i) {
-    CK(cudaEventRecord(a));
-    send_kernel<kThreads, kBatch, kCompact>
-        <<<blocks, kThreads>>>(d.rows, d.slot_row, d.weights, kT, d.H, kK, d.out);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float t;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (i >= warmup) ms.push_back(t);
-  }
-  CK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  const double us = 1e3 * ms[ms.size() / 2];
-  const bool first = d.first == nullptr;
-  bool same = true;
-  if (!first) {
-    std::vector<uint16_t> x(kT * d.H), y(kT * d.H);
-    CK(cudaMemcpy(x.data(), d.out, x.size() * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(y.data(), d.first, y.size() * 2, cudaMemcpyDeviceToHost));
-    same = x == y;
-  }
-  const double gbs = double(d.rows_read * d.H * 2 + kT * d.H * 2) / (us * 1e3);
-  std::printf("H=%d p=%.3f %-26s %4d blocks x %4d threads, batch %d %-8s %8.1f us %7.1f GB/s  %s\n",
-              d.H, d.p, name, blocks, kThreads, kBatch, kCompact ? "compact" : "slots", us, gbs,
-              first ? "(reference)" : same ? "bitwise equal" : "DIFFERENT BITS");
-  CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
-}
-
-void time_staged(const Data& d, int blocks, int iters, const char* name) {
-  using Sums = megamoe::ep::StagedRowSums<8>;
-  CK(cudaFuncSetAttribute(staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          Sums::kSharedBytes));
-  CK(cudaMemset(d.out, 0xff, kT * d.H * 2));
   std::vector<float> ms;
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
   const int warmup = iters > 1 ? 3 : 0;
   for (int i = 0; i < iters + warmup; ++i) {
     CK(cudaEventRecord(a));
-    staged_kernel<<<blocks, Sums::kThreads, Sums::kSharedBytes>>>(d.rows, d.slot_row, d.weights,
-                                                                  kT, d.H, kK, d.out);
+    launch();
     CK(cudaEventRecord(b));
     CK(cudaEventSynchronize(b));
     float t;
@@ -197,16 +155,39 @@ void time_staged(const Data& d, int blocks, int iters, const char* name) {
     if (i >= warmup) ms.push_back(t);
   }
   CK(cudaGetLastError());
+  CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
   std::sort(ms.begin(), ms.end());
   const double us = 1e3 * ms[ms.size() / 2];
-  std::vector<uint16_t> x(kT * d.H), y(kT * d.H);
-  CK(cudaMemcpy(x.data(), d.out, x.size() * 2, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(y.data(), d.first, y.size() * 2, cudaMemcpyDeviceToHost));
+  const char* verdict = "(reference)";
+  if (d.first != nullptr) {
+    std::vector<uint16_t> x(kT * d.H), y(kT * d.H);
+    CK(cudaMemcpy(x.data(), d.out, x.size() * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(y.data(), d.first, y.size() * 2, cudaMemcpyDeviceToHost));
+    verdict = x == y ? "bitwise equal" : "DIFFERENT BITS";
+  }
   const double gbs = double(d.rows_read * d.H * 2 + kT * d.H * 2) / (us * 1e3);
-  std::printf("H=%d p=%.3f %-26s %4d blocks x %4d threads, staged (library)  %8.1f us %7.1f GB/s  %s\n",
-              d.H, d.p, name, blocks, Sums::kThreads, us, gbs,
-              x == y ? "bitwise equal" : "DIFFERENT BITS");
-  CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
+  std::printf("H=%d p=%.3f %-26s %4d blocks x %4d threads, %-22s %8.1f us %7.1f GB/s  %s\n",
+              d.H, d.p, name, blocks, threads, what, us, gbs, verdict);
+}
+
+template <int kThreads, int kBatch, bool kCompact>
+void time_launch(const Data& d, int blocks, int iters, const char* name) {
+  char what[32];
+  std::snprintf(what, sizeof what, "batch %d %s", kBatch, kCompact ? "compact" : "slots");
+  time_sums(d, name, blocks, kThreads, what, [&] {
+    send_kernel<kThreads, kBatch, kCompact>
+        <<<blocks, kThreads>>>(d.rows, d.slot_row, d.weights, kT, d.H, kK, d.out);
+  }, iters);
+}
+
+void time_staged(const Data& d, int blocks, int iters, const char* name) {
+  using Sums = megamoe::ep::StagedRowSums<8>;
+  CK(cudaFuncSetAttribute(staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          Sums::kSharedBytes));
+  time_sums(d, name, blocks, Sums::kThreads, "staged (library)", [&] {
+    staged_kernel<<<blocks, Sums::kThreads, Sums::kSharedBytes>>>(d.rows, d.slot_row, d.weights,
+                                                                  kT, d.H, kK, d.out);
+  }, iters);
 }
 
 // One synthetic owner: the slots' rows drawn from the first `span` of the R rows.

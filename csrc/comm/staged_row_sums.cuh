@@ -101,8 +101,9 @@ struct StagedRowSums {
       if (lane < n) stage_w[st * kMaxRows + lane] = weight;
       __syncwarp();
       if (lane < n) {
-        bulk_load(tiles + st * kStageBytes + lane * kPieceBytes, rows + int64_t(row) * H + c0,
-                  static_cast<uint32_t>(cols * 2), full + st);
+        sm90::bulk_load_1d(tiles + st * kStageBytes + lane * kPieceBytes,
+                           rows + int64_t(row) * H + c0, static_cast<uint32_t>(cols * 2),
+                           full + st);
       }
       if (++chunk == chunks) chunk = 0;
       return true;
@@ -131,16 +132,6 @@ struct StagedRowSums {
       __syncwarp();  // every lane's reads of the stage before its next copy
       ++summed;
     }
-  }
-
- private:
-  __device__ __forceinline__ static void bulk_load(void* dst, const void* src, uint32_t bytes,
-                                                   uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-        "[%3];" ::"r"(sm90::smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(sm90::smem_addr(bar))
-        : "memory");
   }
 };
 
