@@ -37,13 +37,16 @@ __host__ __device__ uint32_t mix(uint64_t x) {
 }
 
 // Values in (-1, 1), with exact +0 and -0 among them (the sums' sign of zero is part of
-// what the bitwise check covers).
-__global__ void fill_rows(__nv_bfloat16* rows, int64_t n, uint32_t seed) {
+// what the bitwise check covers). tiny: only +-0 and +-2^-133 (bf16's least subnormal),
+// whose products with a weight of 1e-30 underflow to a signed zero, so that most sums are
+// zeros whose signs the plain loop's 0 * 0 adds decide.
+__global__ void fill_rows(__nv_bfloat16* rows, int64_t n, uint32_t seed, bool tiny) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const uint32_t h = mix(uint64_t(i) * 2654435761u + seed);
     float v = (static_cast<float>(h & 0xffff) - 32768.f) / 32768.f;
-    if (h % 97 == 0) v = (h & 0x10000) ? -0.f : 0.f;
+    if (h % 97 == 0 || tiny) v = (h & 0x10000) ? -0.f : 0.f;
+    if (tiny && h % 3 == 0) v = ((h >> 20) & 1 ? -1.f : 1.f) * 0x1p-133f;
     rows[i] = __float2bfloat16(v);
   }
 }
@@ -112,7 +115,7 @@ __global__ void __launch_bounds__(megamoe::ep::StagedRowSums<8>::kThreads, 1)
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * Sums::kWarps;
   int64_t t = blockIdx.x * int64_t(Sums::kWarps) + threadIdx.x / 32;
-  Sums::run(rows, H, k, smem, [&]() -> megamoe::ep::StagedToken {
+  Sums::run(rows, H, k, (k + 3) / 4 * 4, smem, [&]() -> megamoe::ep::StagedToken {
     if (t >= T) return {true, -1, 0.f, nullptr};
     const int32_t row = lane < k ? slot_row[t * k + lane] : -1;
     const float weight = row >= 0 ? row_weights[row] : 1.f;
@@ -191,14 +194,14 @@ void time_staged(const Data& d, int blocks, int iters, const char* name) {
 }
 
 // One synthetic owner: the slots' rows drawn from the first `span` of the R rows.
-void run_case(int H, double p, int64_t span, int sms, int iters) {
+void run_case(int H, double p, int64_t span, int sms, int iters, bool tiny = false) {
   Data d{H, p};
   CK(cudaMalloc(&d.rows, kR * H * 2));
   CK(cudaMalloc(&d.out, kT * H * 2));
   CK(cudaMalloc(&d.first, kT * H * 2));
   CK(cudaMalloc(&d.slot_row, kT * kK * 4));
   CK(cudaMalloc(&d.weights, kR * 4));
-  fill_rows<<<4 * sms, 256>>>(d.rows, kR * H, 7u + H);
+  fill_rows<<<4 * sms, 256>>>(d.rows, kR * H, 7u + H, tiny);
   std::vector<int32_t> slot(kT * kK);
   std::vector<float> w(kR);
   for (int64_t s = 0; s < kT * kK; ++s) {
@@ -206,11 +209,14 @@ void run_case(int H, double p, int64_t span, int sms, int iters) {
     slot[s] = (h % 10000) < p * 10000 ? static_cast<int32_t>(mix(h) % span) : -1;
     d.rows_read += slot[s] >= 0;
   }
-  for (int64_t r = 0; r < kR; ++r) w[r] = (mix(r + 77) % 1000) / 1000.f;  // some exact 0
+  for (int64_t r = 0; r < kR; ++r) {
+    w[r] = tiny ? (mix(r + 77) % 2 ? 1e-30f : 0.5f) : (mix(r + 77) % 1000) / 1000.f;  // some 0
+  }
   CK(cudaMemcpy(d.slot_row, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.weights, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
-  std::printf("-- H = %d, p = %.3f, rows from the first %lld of %lld\n", H, p,
-              static_cast<long long>(span), static_cast<long long>(kR));
+  std::printf("-- H = %d, p = %.3f, rows from the first %lld of %lld%s\n", H, p,
+              static_cast<long long>(span), static_cast<long long>(kR),
+              tiny ? ", tiny values (signed zeros)" : "");
   __nv_bfloat16* first = d.first;
   d.first = nullptr;
   time_launch<256, 4, false>(d, 2 * sms, iters, "every SM (default launch)");
@@ -249,6 +255,9 @@ int main(int argc, char** argv) {
     run_case(2048, 0.125, kR, sms, iters);
     return 0;
   }
+  // The bitwise check where the sums' zero signs decide it (timings as any other case).
+  run_case(2048, 0.5, kR, sms, 1, true);
+  run_case(2048, 0.125, kR, sms, 1, true);
   for (const int H : {2048, 4096}) {
     for (const double p : {0.5, 0.25, 0.125}) run_case(H, p, kR, sms, iters);
   }

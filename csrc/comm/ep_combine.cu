@@ -38,7 +38,9 @@ __global__ void __launch_bounds__(StagedRowSums<kMaxRows>::kThreads, 1)
   const int64_t tokens = int64_t(world) * layout.max_tokens;
   const int64_t warps = int64_t(gridDim.x) * Sums::kWarps;
   int64_t i = blockIdx.x * int64_t(Sums::kWarps) + threadIdx.x / 32;
-  Sums::run(rows, H, k, smem, [&]() -> StagedToken {
+  // The slots final_combine_slots_kernel's loop visits (k rounded up to its batch).
+  const int loop_slots = (k + kCopyBatch - 1) / kCopyBatch * kCopyBatch;
+  Sums::run(rows, H, k, loop_slots, smem, [&]() -> StagedToken {
     for (; i < tokens; i += warps) {
       const int source = static_cast<int>(i / layout.max_tokens);
       if (i - int64_t(source) * layout.max_tokens >= count[source]) continue;
@@ -99,11 +101,11 @@ __global__ void __launch_bounds__(kCopyThreads)
 // after the timeout or when an earlier wait of this rank has failed (the error word is set),
 // so that a dead peer costs one timeout. Then the default path's arithmetic, operation for
 // operation: per owner d that received the token, in rank order, the fma of every slot in
-// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0, which
-// combine_send skips: staged_row_sums.cuh says where that can turn a zero's sign), rounded
-// to bf16 (d's partial), summed in fp32 and rounded again (final_combine_kernel). The grid
-// is one block per SM at most: under emulation a spinning rank must leave whole SMs to its
-// peers' GEMMs (docs/expert-parallel.md).
+// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0, as
+// combine_send's sums do in effect: staged_row_sums.cuh), rounded to bf16 (d's partial),
+// summed in fp32 and rounded again (final_combine_kernel). The grid is one block per SM at
+// most: under emulation a spinning rank must leave whole SMs to its peers' GEMMs
+// (docs/expert-parallel.md).
 template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
     final_combine_slots_kernel(const __grid_constant__ comm::PeerTable peers,

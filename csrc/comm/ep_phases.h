@@ -64,8 +64,7 @@ void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
 // launched with l2_to_peers(): out [T, H] from the slots' rows that every owner's L2 epilogue
 // stored here, each token reduced once its slots are complete, in the default path's order
 // (per owner in rank order, its slots in slot order, rounded to bf16, then the owners' sum):
-// the same bits as combine_send + final_combine (but for the sign of a zero sum that
-// staged_row_sums.cuh describes). A slot still incomplete after the timeout
+// the same bits as combine_send + final_combine. A slot still incomplete after the timeout
 // sets the error word to its owner and phase 'combine rows'. Resets the slots' counters.
 void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64,
                          const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);

@@ -14,10 +14,9 @@
 // the warp sums stage q while the copies of the stages after it are in flight. The rows of
 // a token keep their slot order and each column's fmas run in that order from +0, as in the
 // plain loop over every slot (ep_combine.cu's final_combine_slots_kernel), where a slot of
-// another owner adds 0 * 0. That add changes nothing but a -0 sum, which it makes +0, so
-// the bits are the plain loop's except for one case: a column whose sum is zero after a
-// product that underflowed to -0 (|weight x value| < 2^-150) can end as -0 here and +0
-// there.
+// another owner, or a slot past k in the loop's last batch, adds 0 * 0. That add changes
+// nothing but a -0 sum, which it makes +0 (a product can underflow to -0), so after each
+// row that such slots follow the sums get + 0 too: the bits are the plain loop's.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -50,15 +49,18 @@ struct StagedRowSums {
   static constexpr int kWarps = 24 * 8 / kMaxRows;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kSlots = kWarps * kStages;
-  // Per stage: its rows, then its barrier, output, row count, columns and weights.
-  static constexpr int kMetaBytes = 8 + 8 + 4 + 4 + 4 * kMaxRows;
+  // Per stage: its rows, then its barrier, output, row count, columns, zero-add mask and
+  // weights.
+  static constexpr int kMetaBytes = 8 + 8 + 4 + 4 + 4 + 4 * kMaxRows;
   static constexpr int kSharedBytes = kSlots * (kStageBytes + kMetaBytes);
 
   // Warp-wide; every warp of the block calls it with its own `next` (a callable returning the
-  // warp's next StagedToken). k <= kMaxRows; H a multiple of 8.
+  // warp's next StagedToken). k <= kMaxRows; H a multiple of 8; loop_slots: the slots the
+  // plain loop visits (k rounded up to its batch).
   template <class Next>
   __device__ __forceinline__ static void run(const __nv_bfloat16* __restrict__ rows, int H,
-                                             int k, uint8_t* smem, Next&& next) {
+                                             int k, int loop_slots, uint8_t* smem,
+                                             Next&& next) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint8_t* tiles = smem + warp * kStages * kStageBytes;
     uint8_t* meta = smem + kSlots * kStageBytes;
@@ -67,13 +69,15 @@ struct StagedRowSums {
                                 warp * kStages;
     int32_t* stage_n = reinterpret_cast<int32_t*>(meta + kSlots * 16) + warp * kStages;
     int32_t* stage_cols = reinterpret_cast<int32_t*>(meta + kSlots * 20) + warp * kStages;
-    float* stage_w = reinterpret_cast<float*>(meta + kSlots * 24) + warp * kStages * kMaxRows;
+    uint32_t* stage_zero_add = reinterpret_cast<uint32_t*>(meta + kSlots * 24) + warp * kStages;
+    float* stage_w = reinterpret_cast<float*>(meta + kSlots * 28) + warp * kStages * kMaxRows;
     if (lane < kStages) sm90::mbarrier_init(full + lane, 1);
     sm90::fence_barrier_init();
     __syncwarp();
 
     // The issue cursor: the current token's rows (lanes 0..n-1, slot order) and chunk.
     int n = 0, chunk = 0;
+    uint32_t zero_add = 0;  // bit j: slots the plain loop adds 0 * 0 for follow row j
     int32_t row = -1;
     float weight = 0.f;
     __nv_bfloat16* out = nullptr;
@@ -87,6 +91,9 @@ struct StagedRowSums {
         const int from = lane < n ? static_cast<int>(__fns(valid, 0, lane + 1)) : lane;
         row = __shfl_sync(0xffffffffu, token.row, from);
         weight = __shfl_sync(0xffffffffu, token.weight, from);
+        const int next_from = __shfl_sync(0xffffffffu, from, (lane + 1) % 32);
+        zero_add = __ballot_sync(0xffffffffu,
+                                 lane < n && (lane + 1 < n ? next_from : loop_slots) - from > 1);
         out = token.out;
       }
       const int st = static_cast<int>(q % kStages);
@@ -96,6 +103,7 @@ struct StagedRowSums {
         stage_out[st] = out + c0;
         stage_n[st] = n;
         stage_cols[st] = cols;
+        stage_zero_add[st] = zero_add;
         sm90::mbarrier_arrive_expect_tx(full + st, static_cast<uint32_t>(n * cols * 2));
       }
       if (lane < n) stage_w[st * kMaxRows + lane] = weight;
@@ -122,10 +130,16 @@ struct StagedRowSums {
       if (lane * 8 < stage_cols[st]) {
         float acc[8] = {};
         const int rows_here = stage_n[st];
+        const uint32_t zero_adds = stage_zero_add[st];
         for (int j = 0; j < rows_here; ++j) {
           const uint4 v = *reinterpret_cast<const uint4*>(tiles + st * kStageBytes +
                                                           j * kPieceBytes + lane * 16);
           fma_row(acc, stage_w[st * kMaxRows + j], v);
+          // x + -0 is x for every x, x + +0 is x except that -0 becomes +0: adding one of
+          // the two keeps the loop free of a branch.
+          const float zero = (zero_adds >> j) & 1u ? 0.f : -0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], zero);
         }
         *reinterpret_cast<uint4*>(stage_out[st] + lane * 8) = pack_row(acc);
       }
