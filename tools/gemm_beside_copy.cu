@@ -37,7 +37,6 @@ __global__ void hog_kernel(long long ns) {
   if (threadIdx.x == 0 && now == 0) smem[0] = 1;
 }
 
-
 int main(int argc, char** argv) {
   const int hog_sms = argc > 1 ? std::atoi(argv[1]) : 16;
   const long long hog_us = argc > 2 ? std::atoll(argv[2]) : 300;

@@ -50,7 +50,9 @@ __global__ void __launch_bounds__(StagedRowSums<kMaxRows>::kThreads, 1)
       const int32_t row = lane < k ? at<int32_t>(own, layout.recv_slot_row)[i * k + lane] : -1;
       const float weight = row >= 0 && row_weights != nullptr ? row_weights[row] : 1.f;
       char* dst = peers.buffers[source];
-      if (dp_rows != nullptr && row >= 0) at<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[row];
+      if (dp_rows != nullptr && row >= 0) {
+        at<float>(dst, layout.combine_dp)[t * k + lane] = dp_rows[row];
+      }
       auto* out = at<__nv_bfloat16>(dst, layout.combine_rows) +
                   (int64_t(peers.rank) * layout.max_tokens + t) * H;
       i += warps;

@@ -3,10 +3,11 @@
 // the same global problem, and the forward against the float64 CPU reference
 // (ep_layer_test_util.h says what must match bitwise); a rank that receives nothing, every
 // token on one rank, k = 1, 8 and 16, -1 ids, 128-wide L2 tiles, repeated calls on the same
-// buffers (bitwise equal), a limited number of copy SMs, and the capacity error. Every case runs on
-// each forward path (.../Default, the epilogue combine, where L2's epilogue stores rows into
-// their sources' slots over NVLink, the dispatch beside the own rows' chain with the
-// backward's dx send beside its weight gradients, and both): the same bits. test_ep_emulated.cpp runs the same cases on ranks emulated on one GPU.
+// buffers (bitwise equal), a limited number of copy SMs, and the capacity error. Every case
+// runs on each forward path (.../Default, the epilogue combine, where L2's epilogue stores
+// rows into their sources' slots over NVLink, the dispatch beside the own rows' chain with
+// the backward's dx send beside its weight gradients, and both): the same bits.
+// test_ep_emulated.cpp runs the same cases on ranks emulated on one GPU.
 #include <gtest/gtest.h>
 
 #include <string>
