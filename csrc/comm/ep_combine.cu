@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "comm/ep_phases.h"
+#include "comm/partial_row_sums.cuh"
 #include "comm/peer_sync.cuh"
 #include "comm/staged_row_sums.cuh"
 #include "core/cuda_check.h"
@@ -64,9 +65,10 @@ __global__ void __launch_bounds__(StagedRowSums<kMaxRows>::kThreads, 1)
 }
 
 // 7. y (backward: dx) of each of this rank's tokens: the owners' partial rows in rank order,
-// summed in fp32; with d_topk_weights, also each valid slot's value from its owner (0 for
-// an id of -1). One warp per token.
-__global__ void __launch_bounds__(kCopyThreads)
+// summed in fp32 (partial_row_sums.cuh); with d_topk_weights, also each valid slot's value
+// from its owner (0 for an id of -1). One warp per token, two blocks per SM.
+constexpr int kFinalCombineChunks = 8;  // 16-byte loads a lane: a row of H = 2048 at once
+__global__ void __launch_bounds__(kCopyThreads, 2)
     final_combine_kernel(const __grid_constant__ comm::PeerTable peers,
                          const __grid_constant__ BufferLayout layout,
                          const int32_t* __restrict__ token_pos,
@@ -78,15 +80,8 @@ __global__ void __launch_bounds__(kCopyThreads)
   const auto* partial = reinterpret_cast<const __nv_bfloat16*>(own + layout.combine_rows);
   const int64_t warps = int64_t(gridDim.x) * (kCopyThreads / 32);
   for (int64_t t = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; t < T; t += warps) {
-    for (int c = lane * 8; c < H; c += 32 * 8) {
-      float acc[8] = {};
-      for (int d = 0; d < world; ++d) {
-        if (token_pos[t * world + d] < 0) continue;
-        fma_row(acc, 1.f, *reinterpret_cast<const uint4*>(
-                               partial + (int64_t(d) * layout.max_tokens + t) * H + c));
-      }
-      *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
-    }
+    sum_partial_rows<kFinalCombineChunks>(partial + t * H, int64_t(layout.max_tokens) * H,
+                                          token_pos + t * world, world, H, out + t * H);
     if (d_topk_weights != nullptr && lane < k) {
       const int64_t s = t * k + lane;
       d_topk_weights[s] =
