@@ -339,6 +339,7 @@ std::vector<RoutingCase> routing_cases() {
       {130, 1, 384, 8, 0, 0},     // k = 1, expert 0 empty
       {257, 3, 128, 2, 1, 5},     // every row into one expert, some dropped
       {64, 4, 2048, 128, 7, 0},   // qwen3's H and E, few tokens
+      {40, 8, 4224, 16, -1, 0},   // to-rows: a row in three rounds of 8, 8 and half a piece
   };
 }
 
@@ -360,9 +361,10 @@ TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGather) {
   }
 }
 
-// The kernel's CTAs loop over the tiles (a grid of a few CTAs per SM, each loading the next
-// tile before it stores the current one): on a grid capped to 1 and 3 SMs each CTA takes
-// many tiles, the loop's last ones and a tile count that no CTA count divides among them.
+// The kernels' CTAs loop (a grid of a few CTAs per SM: the to-rows kernel's warps over the
+// rows, the gathered columns' CTAs over the tiles, each loading the next tile before it
+// stores the current one): on a grid capped to 1 and 3 SMs each CTA takes many rows or
+// tiles, the loop's last ones and a count that no CTA count divides among them.
 TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGatherOnFewCtas) {
   for (const int sms : {1, 3}) {
     SCOPED_TRACE("SmLimit " + std::to_string(sms));
