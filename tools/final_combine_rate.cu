@@ -1,13 +1,14 @@
 // The EP final combine's sums timed alone on one GPU: the library's sum_partial_rows
 // (comm/partial_row_sums.cuh: a lane's loads of an owner's row all in flight before its
-// fmas) at 4 and 8 chunks (16 spill at two blocks per SM), against the loop it replaced (each 16-byte piece summed over
-// the owners as it came), both in the library's launch: two 256-thread blocks per SM, one
-// warp per token. The final combine reads only this rank's own memory (the owners' partial
-// rows, already written into its combine area), so one GPU measures it as it runs at any
-// EP size. A synthetic rank: T = 16384 tokens of H bf16, W owners (2 as at EP = 2, 8 as at
-// EP = 8), each owner holding a token with probability 1 - (1 - 1/W)^8 (k = 8 slots at
-// random among W owners). Every launch's output is checked bit for bit against the old
-// loop's. Results: performance log, fifteenth session of 2026-12-04.
+// fmas) at 4 and 8 pieces a lane (16 spill at two blocks per SM), against the loop it
+// replaced (each 16-byte piece summed over the owners as it came), both in the library's
+// launch: two 256-thread blocks per SM, one warp per token. The final combine reads only
+// this rank's own memory (the owners' partial rows, already written into its combine
+// area), so one GPU measures it as it runs at any EP size. A synthetic rank: T = 16384
+// tokens of H bf16, W owners (2 as at EP = 2, 8 as at EP = 8), each owner holding a token
+// with probability 1 - (1 - 1/W)^8 (k = 8 slots at random among W owners). Every launch's
+// output is checked bit for bit against the old loop's. Results: performance log,
+// fifteenth session of 2026-12-04.
 //
 // Build (nothing to link):
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc \

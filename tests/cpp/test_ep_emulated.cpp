@@ -57,6 +57,12 @@ TEST_P(EpEmulated, ManySlots) {
   check(48, 384, 128, 32, 16, Routing::kRandom, 0.05, 48 * 16 * world_, seed + 1);
 }
 
+// Rows wider than one round of the final combine's loads (a lane's 8 pieces cover 2048
+// columns, partial_row_sums.cuh): H = 2304, the second round one piece.
+TEST_P(EpEmulated, RowsPastOneLoadRound) {
+  check(40, 2304, 128, 8, 2, Routing::kRandom, 0.05, 40 * 2 * world_, megamoe_test::fresh_seed());
+}
+
 // 128-wide L2 tiles (H not a multiple of 256): the epilogue combine's rows then arrive in
 // three N-tiles, its counters count to H in steps of 128.
 TEST_P(EpEmulated, NarrowL2Tiles) {
