@@ -353,11 +353,17 @@ TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGather) {
   }
   // A token routed twice to the same expert (the plan allows it): both rows written.
   check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, fresh_seed());
-  // More destinations per row than a half-warp has lanes (entries 16 on read as used).
-  for (const int64_t k : {16, 17, 40}) {
+  // Destinations around a warp's 32 lanes (the to-rows kernel reads them 32 at a time),
+  // also with a row in two rounds of pieces (H = 2304).
+  for (const int64_t k : {16, 17, 32, 33, 40}) {
     const uint64_t seed = fresh_seed();
     std::mt19937_64 rng(seed);
     check(70, k, 256, 64, random_ids(70, k, 64, 3, 9, rng), seed);
+  }
+  {
+    const uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    check(20, 40, 2304, 64, random_ids(20, 40, 64, 3, 9, rng), seed);
   }
 }
 
@@ -376,7 +382,7 @@ TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGatherOnFewCtas) {
     }
     const uint64_t seed = fresh_seed();
     std::mt19937_64 rng(seed);
-    check(300, 20, 384, 32, random_ids(300, 20, 32, 4, 11, rng), seed);  // k > 16
+    check(300, 40, 384, 32, random_ids(300, 40, 32, 4, 11, rng), seed);  // k > 32
   }
 }
 

@@ -106,8 +106,8 @@ __device__ __forceinline__ void load_rows(const Fp8QuantizeArgs& a, const TilePo
 
 // This thread's 8 x 8 values of a tile of x, loaded by cp.async into its 8 slots of `stage`
 // (slot i at stage[i * kThreads + threadIdx.x]); rows from a.rows on as zeros. The next
-// tile of the to-rows and the rows-and-columns kernels waits there instead of in 32
-// registers (3 CTAs per SM instead of 2).
+// tile of the rows-and-columns kernel waits there instead of in 32 registers (3 CTAs per
+// SM instead of 2).
 __device__ __forceinline__ void load_rows_async(const Fp8QuantizeArgs& a, const TilePos& t,
                                                 uint4* stage) {
   const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
