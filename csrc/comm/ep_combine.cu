@@ -64,10 +64,11 @@ __global__ void __launch_bounds__(StagedRowSums<kMaxRows>::kThreads, 1)
   __threadfence_system();
 }
 
+constexpr int kFinalCombineChunks = 8;  // 16-byte loads a lane: a row of H = 2048 at once
+
 // 7. y (backward: dx) of each of this rank's tokens: the owners' partial rows in rank order,
 // summed in fp32 (partial_row_sums.cuh); with d_topk_weights, also each valid slot's value
 // from its owner (0 for an id of -1). One warp per token, two blocks per SM.
-constexpr int kFinalCombineChunks = 8;  // 16-byte loads a lane: a row of H = 2048 at once
 __global__ void __launch_bounds__(kCopyThreads, 2)
     final_combine_kernel(const __grid_constant__ comm::PeerTable peers,
                          const __grid_constant__ BufferLayout layout,
