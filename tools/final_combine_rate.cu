@@ -26,26 +26,15 @@
 
 #include "check_cuda.h"
 #include "comm/partial_row_sums.cuh"
+#include "rate_util.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kT = 16384;
 
-__host__ __device__ uint32_t mix(uint64_t x) {
-  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull;
-  return static_cast<uint32_t>(x ^ (x >> 33));
-}
-
-__global__ void fill_rows(__nv_bfloat16* rows, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const uint32_t h = mix(uint64_t(i) * 2654435761u + seed);
-    float v = (static_cast<float>(h & 0xffff) - 32768.f) / 32768.f;
-    if (h % 97 == 0) v = (h & 0x10000) ? -0.f : 0.f;
-    rows[i] = __float2bfloat16(v);
-  }
-}
+using rate_util::fill_rows;
+using rate_util::mix;
 
 // The final combine's loop before the fifteenth session of 2026-12-04.
 __global__ void __launch_bounds__(kThreads)
@@ -87,22 +76,7 @@ struct Data {
 template <class Launch>
 void time_it(const Data& d, const char* what, int blocks, Launch&& launch, int iters) {
   CK(cudaMemset(d.out, 0xff, kT * d.H * 2));  // poisoned: every row must be written
-  std::vector<float> ms;
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
-  for (int i = 0; i < iters + 3; ++i) {
-    CK(cudaEventRecord(a));
-    launch();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float t;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (i >= 3) ms.push_back(t);
-  }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  const double us = 1e3 * ms[ms.size() / 2];
+  const double us = rate_util::median_us(launch, iters, 3);
   const char* verdict = "(reference)";
   if (d.first != nullptr) {
     std::vector<uint16_t> x(kT * d.H), y(kT * d.H);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "check_cuda.h"
+#include "rate_util.cuh"
 
 namespace {
 
@@ -66,21 +67,8 @@ __global__ void __launch_bounds__(kThreads)
 template <Mode kMode>
 void time_mode(const char* what, const uint4* x, const int32_t* dest, uint4* rows,
                int32_t* sink, int blocks, int iters) {
-  std::vector<float> ms;
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
-  for (int i = 0; i < iters + 3; ++i) {
-    CK(cudaEventRecord(a));
-    scatter_kernel<kMode><<<blocks, kThreads>>>(x, dest, rows, sink);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float t;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (i >= 3) ms.push_back(t);
-  }
-  CK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  const double us = 1e3 * ms[ms.size() / 2];
+  const double us = rate_util::median_us(
+      [&] { scatter_kernel<kMode><<<blocks, kThreads>>>(x, dest, rows, sink); }, iters, 3);
   const double read = kMode == kWriteOnly ? 0 : kT * kH * 2.0;
   const double written = kMode == kReadOnly ? 0 : kT * kK * kH * 1.0;
   std::printf("%-34s %4d blocks  %7.1f us  read %5.1f MiB  written %6.1f MiB  %6.2f TB/s\n",

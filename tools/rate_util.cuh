@@ -1,0 +1,56 @@
+// What the stand-alone rate tools (send_rate.cu, final_combine_rate.cu, scatter_rate.cu)
+// share: a hash for synthetic data, bf16 rows with exact +0 and -0 among them, and the
+// median time of a launch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "check_cuda.h"
+
+namespace rate_util {
+
+__host__ __device__ inline uint32_t mix(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull;
+  return static_cast<uint32_t>(x ^ (x >> 33));
+}
+
+// Values in (-1, 1), with exact +0 and -0 among them (the sums' sign of zero is part of
+// what the tools' bitwise checks cover).
+__global__ void fill_rows(__nv_bfloat16* rows, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint32_t h = mix(uint64_t(i) * 2654435761u + seed);
+    float v = (static_cast<float>(h & 0xffff) - 32768.f) / 32768.f;
+    if (h % 97 == 0) v = (h & 0x10000) ? -0.f : 0.f;
+    rows[i] = __float2bfloat16(v);
+  }
+}
+
+// `launch` run warmup times, then iters times each between two events on the default
+// stream; the median of the timed runs in microseconds.
+template <class Launch>
+double median_us(Launch&& launch, int iters, int warmup) {
+  std::vector<float> ms;
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+  for (int i = 0; i < iters + warmup; ++i) {
+    CK(cudaEventRecord(a));
+    launch();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (i >= warmup) ms.push_back(t);
+  }
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return 1e3 * ms[ms.size() / 2];
+}
+
+}  // namespace rate_util
