@@ -385,9 +385,13 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
 }
 
 DgradDone backward_dgrad_l1(const Rows& rows, const Experts& w, const BackwardBuffers& b,
-                            cudaStream_t stream, bool d_w_gate_up_wanted) {
+                            cudaStream_t stream, bool d_w_gate_up_wanted,
+                            const sm90::PeerRowsOut* dx_to_peers) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_backward()) {
+    if (dx_to_peers != nullptr) {
+      throw_invalid("backward_dgrad_l1: dx rows to peers need the bf16 backward");
+    }
     // dh quantized (into dh_fp8), with its token-contiguous copy for dW_gate_up into
     // b.lhs_fp8 from the same read of dh when d_w_gate_up_wanted (unless
     // fp8_unfused_quantization()); then dx rows = dh W_gate_up into dx_rows (token_rows'
@@ -410,9 +414,14 @@ DgradDone backward_dgrad_l1(const Rows& rows, const Experts& w, const BackwardBu
   }
   // dx rows = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H), in row order.
   const sm90::MGroupedA dh{b.dh, b.padded_rows, RowLayout::kPadded, nullptr};
-  sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H, b.dx_rows);
+  sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H,
+                                              dx_to_peers != nullptr ? nullptr : b.dx_rows);
   l1_dgrad.groups.rows = b.padded_rows;  // A's padded rows, from which the grid is sized
-  sm90::m_grouped_gemm_nn(l1_dgrad, stream);
+  if (dx_to_peers != nullptr) {
+    sm90::m_grouped_gemm_nn_to_peers(l1_dgrad, *dx_to_peers, stream);
+  } else {
+    sm90::m_grouped_gemm_nn(l1_dgrad, stream);
+  }
   return {};
 }
 

@@ -24,8 +24,10 @@
 //   7. the source sums the owners' partial rows in rank order -> y (backward: dx).
 // With Group::epilogue_combine the forward's steps 6-7 are instead: L2's epilogue stores
 // each result row into its slot in the source's buffer and counts it there; the source
-// waits per slot and reduces each token in the order of 6-7 (the same bits), with no combine
-// send and no combine phase (docs/expert-parallel.md, "Forward overlap").
+// waits per slot and reduces each token as the one-GPU layer does (y bitwise the one-GPU
+// layer's), with no combine send and no combine phase (docs/expert-parallel.md, "Forward
+// overlap", "Bits"). The bf16 backward likewise: each slot's d topk_weights, then its dx
+// row from the L1 dgrad's epilogue (dx bitwise the one-GPU layer's).
 // With Group::overlap_dispatch the forward lays every owner's own rows out first: L1 runs
 // on them straight from x (never copied) while the peers' rows are dispatched on a second
 // stream; then L1 and L2 on the peers' rows; then L2 on the own rows while the peers'
@@ -35,7 +37,8 @@
 // ep_layout.h; ep_layer.cpp runs them. Weight gradients stay on the owner and d
 // topk_weights is per slot: both are bitwise equal to the one-GPU layer's (an expert's rows
 // arrive in the global token order, so the chain sees them as the one-GPU layer does); y
-// and dx add one bf16 rounding per owner (the partial sum).
+// and dx add one bf16 rounding per owner (the partial sum), except with the epilogue
+// combine (y, and dx in bf16).
 // A rank that would receive more rows than max_recv_rows makes every rank skip the sends
 // (they all see the same counts) and write NaN into every output, with a capacity error
 // code.

@@ -4,17 +4,18 @@
 // backward (recompute and saved mode) on it and compares them with
 //   - the EP=1 layer on GPU 0 (one rank, every expert): d topk_weights, the bf16 weight
 //     gradients and the saved mode's fp32 accumulators bitwise; y and dx bitwise against
-//     the EP=1 layer's per-owner parts (below);
+//     the EP=1 layer's per-owner parts (below), but with the epilogue combine;
 //   - the one-GPU fused layer: d topk_weights and weight gradients bitwise, y and dx
-//     within 5e-3 (one bf16 rounding per owner rank), and the forward against the float64
-//     CPU reference;
+//     within 5e-3 (one bf16 rounding per owner rank), or bitwise with the epilogue combine
+//     (which folds every slot's row on the token's rank, as the one-GPU layer does), and
+//     the forward against the float64 CPU reference;
 //   - its own first call: later calls on the same buffers bitwise equal.
 // With epilogue_combine_, overlap_dispatch_, fp8_bf16_dispatch_ or overlap_backward_ set
 // before prepare(), every EP=W group runs the forward's epilogue combine, its dispatch beside
 // the own rows' chain, (FP8) its bf16 dispatch, or the backward's dx send beside its weight
 // gradients (the Group fields of the same names); the EP=1
 // references stay on the default path, so the comparisons above also say that the paths give
-// the same bits.
+// the same bits (the epilogue combine's y and dx: the one-GPU layer's).
 // Owner o's partial row of a token is the sum over its slots on o, rounded once to bf16:
 // what the EP=1 layer gives with every slot on another rank's expert set to -1 (a row's
 // GEMM results do not depend on the other rows). The source sums the partials in rank order
@@ -48,9 +49,10 @@ constexpr int64_t kLongTimeoutNs = 10'000'000'000;
 enum class Routing { kRandom, kAllOnLastRank };
 
 // The EP forward's paths, by their Group switches (docs/expert-parallel.md, "Forward
-// overlap"); every one must give the default path's bits. The overlapped ones also send the
-// backward's dx rows beside its weight gradients (Group::overlap_backward), as a user who
-// turns on both switches runs them.
+// overlap"); every one must give the default path's bits, but the epilogue combine's y and
+// dx, which must be the one-GPU layer's (docs/expert-parallel.md, "Bits"). The overlapped ones
+// also send the backward's dx rows beside its weight gradients (Group::overlap_backward), as
+// a user who turns on both switches runs them.
 enum EpPath { kDefault = 0, kEpilogueCombine = 1, kOverlapDispatch = 2, kOverlapAndEpilogue = 3 };
 inline const char* const kEpPathNames[] = {"Default", "EpilogueCombine", "OverlapDispatch",
                                            "Overlap_EpilogueCombine"};
@@ -395,12 +397,14 @@ class EpLayerTest : public RanksTest {
     return out;
   }
 
-  // The one-GPU fused layer (forward, backward in recompute mode) on the whole problem.
-  SingleRank one_gpu() {
+  // The one-GPU fused layer (forward, backward in recompute mode) on the whole problem, with
+  // the problem's ids or `ids`.
+  SingleRank one_gpu(const std::vector<int32_t>* ids = nullptr) {
     const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
     EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
     megamoe_tensor gx = dense_tensor(upload_on(0, x_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
-    megamoe_tensor gids = dense_tensor(upload_on(0, ids_), MEGAMOE_DTYPE_INT32, {T, k});
+    megamoe_tensor gids =
+        dense_tensor(upload_on(0, ids != nullptr ? *ids : ids_), MEGAMOE_DTYPE_INT32, {T, k});
     megamoe_tensor gp = dense_tensor(upload_on(0, weights_), MEGAMOE_DTYPE_FLOAT32, {T, k});
     megamoe_tensor gw1 = dense_tensor(upload_on(0, w1_), MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
     megamoe_tensor gw2 = dense_tensor(upload_on(0, w2_), MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
@@ -436,6 +440,10 @@ class EpLayerTest : public RanksTest {
     if (!expect_capacity) {
       ep1 = single_rank(ids_, true);
       owner_sums(ids_, expected_y, expected_dx);
+      if (epilogue_combine_) {
+        expected_y = fused.y;
+        expected_dx = fused.dx;
+      }
     }
 
     std::vector<uint16_t> first_y;
@@ -467,7 +475,8 @@ class EpLayerTest : public RanksTest {
         continue;
       }
       first_y = got;
-      EXPECT_EQ(got, expected_y) << "EP=" << W << " y differs from the EP=1 owners' sum";
+      EXPECT_EQ(got, expected_y) << "EP=" << W << " y differs from the "
+                                 << (epilogue_combine_ ? "one-GPU layer's" : "EP=1 owners' sum");
       const std::vector<double> y = decode(got);
       const double vs_one_gpu = rel_error(y, decode(fused.y));
       Tensor y_ref(MEGAMOE_DTYPE_FLOAT64, {T_all, H});
@@ -504,7 +513,9 @@ class EpLayerTest : public RanksTest {
       const auto acc2_all = gather<float>(&Rank::acc2, e * H * I);
       if (call == 0) {
         first_dx = dx_all;
-        EXPECT_EQ(dx_all, expected_dx) << "EP=" << W << " dx differs from the EP=1 owners' sum";
+        EXPECT_EQ(dx_all, expected_dx)
+            << "EP=" << W << " dx differs from the "
+            << (epilogue_combine_ ? "one-GPU layer's" : "EP=1 owners' sum");
         const double vs_one_gpu = rel_error(decode(dx_all), decode(fused.dx));
         std::printf("  backward dx vs one GPU: %.3e\n", vs_one_gpu);
         EXPECT_LT(vs_one_gpu, kEpVsOneGpu);

@@ -104,6 +104,12 @@ void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& args, const PeerRowsOut&
 // k = 2I, n = H). n: a multiple of 128.
 void m_grouped_gemm_nn(const MGroupedGemmArgs& args, cudaStream_t stream,
                        MnMajorStrides strides = {});
+// m_grouped_gemm_nn with every output row sent as m_grouped_gemm_nt_to_peers sends them (the
+// expert-parallel backward's L1 dgrad with the epilogue combine: the dx rows). A materialised
+// (padded or sorted: row_dest is indexed by the sorted row), n a multiple of 128. The same
+// bits per row as m_grouped_gemm_nn.
+void m_grouped_gemm_nn_to_peers(const MGroupedGemmArgs& args, const PeerRowsOut& out,
+                                cudaStream_t stream);
 
 // Where L1 writes h's rows when they are not C's: row r of expert e's tiles goes to row
 // r + (r < split[e] ? lo[e] : hi[e]) of h (device arrays over the plan's experts; split null:

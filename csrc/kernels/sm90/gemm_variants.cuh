@@ -47,6 +47,10 @@ using MGroupedGemmNtToPeers =
 template <int kBlockN, bool kGathered>
 using MGroupedGemmNn =
     MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, kGathered, StoreEpilogue<kBlockN>>;
+// The same with its rows sent to their tokens' ranks (m_grouped_gemm_nn_to_peers).
+template <int kBlockN>
+using MGroupedGemmNnToPeers =
+    MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, false, PeerRowsEpilogue<kBlockN>>;
 template <int kBlockN, bool kGathered>
 using MGroupedGemmNtSwiGLU = MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kK>, kGathered,
                                           SwiGLUSavedHEpilogue<kBlockN>>;
