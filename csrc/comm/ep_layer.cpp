@@ -321,7 +321,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
       carve_checked(g, T, I, Pass::kForward, experts.precision, workspace, workspace_size,
                     experts.fp8_forward() ? "megamoe_ep_fp8_workspace_size"
                                           : "megamoe_ep_workspace_size");
-  // The overlapped paths run the bf16 GEMMs: an FP8 forward takes the default one.
+  // The overlapped dispatch runs the bf16 GEMMs: an FP8 forward takes the other path.
   const bool bf16 = !experts.fp8_forward();
   if (bf16 && g.overlap_dispatch) {
     const Call c = overlapped_chain(g, w, x, topk_ids, ids_are_int64, topk_weights, experts, T,
@@ -338,7 +338,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   const Call c =
       route_and_dispatch(g, w, x, nullptr, topk_ids, ids_are_int64, topk_weights, T, stream);
   const chain::Rows rows = received_rows(c, nullptr);
-  if (bf16 && g.epilogue_combine) {
+  if (g.epilogue_combine) {
     // L2's epilogue stores every row into its source's slot and counts it there; each rank
     // reduces its tokens as their slots complete (no combine send, no combine phase).
     const sm90::PeerRowsOut to_peers = slot_rows_to_peers(c);
@@ -405,10 +405,10 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     if (x_beside) cap.emplace(gemm_sms, kBesideCopy);
     chain::backward_dgrad(rows, experts, saved_h, b, /*dx_rows=*/false, stream);
   }
-  if (g.epilogue_combine && !experts.fp8_backward()) {
-    // The epilogue combine (bf16 backward): each slot's d topk_weights, then its dx row from
-    // the L1 dgrad's epilogue, straight into its slot on its source, which folds every slot's
-    // row as the one-GPU layer does (dx bitwise its dx); no combine send, no combine phase.
+  if (g.epilogue_combine) {
+    // The epilogue combine: each slot's d topk_weights, then its dx row from the L1 dgrad's
+    // epilogue, straight into its slot on its source, which folds every slot's row as the
+    // one-GPU layer does (dx bitwise its dx); no combine send, no combine phase.
     reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
     send_slot_dp(c, w.dp_rows, stream);
     const sm90::PeerRowsOut to_peers = slot_rows_to_peers(c);

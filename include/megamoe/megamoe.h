@@ -381,9 +381,9 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
  * moves bf16 rows (its weight gradients quantize their operands per 128 tokens from them),
  * which each owner quantizes once per received token. d_topk_weights and the weight
  * gradients are bitwise equal to megamoe_fused_fp8_backward's on the same global problem; y
- * and dx differ from megamoe_fused_fp8_* by the owners' bf16 partial sums, as in bf16. The
- * forward runs the default path whatever MEGAMOE_EP_EPILOGUE_COMBINE and
- * MEGAMOE_EP_OVERLAP_DISPATCH say. MEGAMOE_EP_FP8_BF16_DISPATCH=1 in the environment (read
+ * and dx differ from megamoe_fused_fp8_* by the owners' bf16 partial sums, as in bf16, or
+ * with MEGAMOE_EP_EPILOGUE_COMBINE=1 are bitwise theirs, as in bf16. The forward ignores
+ * MEGAMOE_EP_OVERLAP_DISPATCH. MEGAMOE_EP_FP8_BF16_DISPATCH=1 in the environment (read
  * when a group is used, the same on every rank) makes the forward move bf16 rows and the
  * owners quantize them, for an A/B: the same bits, a smaller workspace.
  * MEGAMOE_EP_OVERLAP_BACKWARD=1 works as in megamoe_ep_backward, with no more workspace

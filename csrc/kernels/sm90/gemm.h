@@ -93,6 +93,10 @@ struct PeerRowsOut {
   int64_t slots_per_rank = 0;
 };
 
+// The checks every _to_peers GEMM makes of its destination, n and A (materialised): an
+// invalid-argument error naming `name`.
+void check_peer_rows_out(const PeerRowsOut& out, int64_t n, bool gathered, const char* name);
+
 // m_grouped_gemm_nt with every output row sent to its slot on another rank (or this one)
 // instead of stored in C (the expert-parallel forward's L2, its epilogue combine; args.c is
 // not used). A materialised (not gathered), n a multiple of 128. The same bits per row as

@@ -35,14 +35,7 @@ void run_store(const MGroupedGemmArgs& a, bool wide, const char* name, MnMajorSt
 template <Major kBMajor>
 void run_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out, bool wide,
                   const char* name, cudaStream_t stream) {
-  if (a.n % 128 != 0 || a.n < 1 || a.n > INT32_MAX / 2) {
-    throw_invalid(std::string(name) + ": N must be a positive multiple of 128");
-  }
-  if (a.a.gather != nullptr) throw_invalid(std::string(name) + ": A must be materialised");
-  if (out.row_dest == nullptr || out.skip == nullptr || out.slots_per_rank < 1 ||
-      out.slots_per_rank > INT32_MAX || out.rows_offset % 16 || out.done_offset % 4) {
-    throw_invalid(std::string(name) + ": bad destination (row_dest, skip, slots, offsets)");
-  }
+  check_peer_rows_out(out, a.n, a.a.gather != nullptr, name);
   check_m_grouped(a, name);
   if (a.groups.rows == 0) return;
   const auto run = [&](auto block_n) {
@@ -50,14 +43,7 @@ void run_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out, bool wide,
     using Gemm = std::conditional_t<kBMajor == Major::kK, MGroupedGemmNtToPeers<kBlockN>,
                                     MGroupedGemmNnToPeers<kBlockN>>;
     const int64_t experts = a.groups.num_experts;
-    typename Gemm::Epilogue::Params e{};
-    for (int r = 0; r < PeerRowsOut::kMaxRanks; ++r) e.buffers[r] = out.buffers[r];
-    e.rows_offset = out.rows_offset;
-    e.done_offset = out.done_offset;
-    e.row_dest = out.row_dest;
-    e.skip = out.skip;
-    e.slots_per_rank = static_cast<int32_t>(out.slots_per_rank);
-    e.ld = static_cast<int32_t>(a.n);
+    const auto e = Gemm::Epilogue::params(out, a.n);
     const auto b = kBMajor == Major::kK ? Gemm::BLoad::params(a.b, experts * a.n, a.k, a.n)
                                         : Gemm::BLoad::params(a.b, experts * a.k, a.n, a.k);
     launch_m_grouped<Gemm>(a, b, a.n / kBlockN, e, stream);
@@ -77,6 +63,17 @@ void run_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out, bool wide,
 void m_grouped_gemm_nt(const MGroupedGemmArgs& args, cudaStream_t stream) {
   run_store<Major::kK>(args, MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && args.n % 256 == 0,
                        "m_grouped_gemm_nt", {}, stream);
+}
+
+void check_peer_rows_out(const PeerRowsOut& out, int64_t n, bool gathered, const char* name) {
+  if (n % 128 != 0 || n < 1 || n > INT32_MAX / 2) {
+    throw_invalid(std::string(name) + ": N must be a positive multiple of 128");
+  }
+  if (gathered) throw_invalid(std::string(name) + ": A must be materialised");
+  if (out.row_dest == nullptr || out.skip == nullptr || out.slots_per_rank < 1 ||
+      out.slots_per_rank > INT32_MAX || out.rows_offset % 16 || out.done_offset % 4) {
+    throw_invalid(std::string(name) + ": bad destination (row_dest, skip, slots, offsets)");
+  }
 }
 
 void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out,
