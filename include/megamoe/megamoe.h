@@ -359,8 +359,8 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
  * on a second stream beside the GEMMs, on the SMs they leave (num_comm_sms): with saved_h,
  * x's rows travel after dy's, beside the dgrad of L2; the dx rows go back beside the weight
  * gradients. The same bits, and max_recv_rows x hidden bf16 more workspace
- * (megamoe_ep_backward_workspace_size counts it), where the dx rows wait apart from the
- * weight gradients' operands. The second stream is made at a rank's first such call, which
+ * (megamoe_ep_backward_workspace_size counts it; none with MEGAMOE_EP_EPILOGUE_COMBINE=1),
+ * where the dx rows wait apart from the weight gradients' operands. The second stream is made at a rank's first such call, which
  * must not be under CUDA graph capture. */
 MEGAMOE_API megamoe_status megamoe_ep_backward(
     const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,

@@ -226,20 +226,25 @@ class EpLayerTest : public RanksTest {
   }
 
   // Rank r's backward: recompute mode into bf16 dw1, dw2 (poisoned first), or saved mode
-  // added into acc1, acc2 (zeroed first).
-  void launch_backward(int r, bool saved) {
+  // added into acc1, acc2 (zeroed first); with the rank's ids or `ids`, into its dx and dp or
+  // `dx` and `dp` (both poisoned first).
+  void launch_backward(int r, bool saved, const int32_t* ids = nullptr,
+                       __nv_bfloat16* dx = nullptr, float* dp = nullptr) {
     const OnRank on = on_rank(r);
     Rank& rk = ranks_[r];
     const int64_t e = e_local_, H = this->H(), I = this->I();
-    CUDA_OK(cudaMemsetAsync(rk.dx, 0xFF, tokens_ * H * 2, streams_[r]));
+    if (dx == nullptr) dx = rk.dx;
+    if (dp == nullptr) dp = rk.dp;
+    CUDA_OK(cudaMemsetAsync(dx, 0xFF, tokens_ * H * 2, streams_[r]));
+    CUDA_OK(cudaMemsetAsync(dp, 0xFF, tokens_ * k() * 4, streams_[r]));
     CUDA_OK(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]));
     CUDA_OK(cudaMemsetAsync(rk.acc1, 0, e * 2 * I * H * 4, streams_[r]));
     CUDA_OK(cudaMemsetAsync(rk.acc2, 0, e * H * I * 4, streams_[r]));
     using megamoe::chain::WeightGrad;
     const WeightGrad g1 = saved ? WeightGrad::of(rk.acc1, true) : WeightGrad::of(rk.dw1, false);
     const WeightGrad g2 = saved ? WeightGrad::of(rk.acc2, true) : WeightGrad::of(rk.dw2, false);
-    megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rk.w1, rk.w2, tokens_,
-                          I, saved ? rk.saved_h : nullptr, rk.dx, rk.dp, g1, g2,
+    megamoe::ep::backward(rk.g, rk.dy, rk.x, ids ? ids : rk.ids, false, rk.weights, rk.w1,
+                          rk.w2, tokens_, I, saved ? rk.saved_h : nullptr, dx, dp, g1, g2,
                           rk.bwd_workspace, rk.bwd_workspace_size, streams_[r]);
   }
 

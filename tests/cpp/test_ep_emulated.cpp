@@ -1,8 +1,9 @@
 // The expert-parallel protocols on one GPU: EP=2, 4 and 8 with the ranks emulated on GPU 0
 // (RanksTest::emulate: each rank's own buffers, stream and share of the SMs; skipped
 // without a GPU). The cases of test_ep_layer.cpp, forward and both backward modes, bitwise
-// against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back calls on the
-// same buffers alternating two routings; and a peer that stops calling before each phase:
+// against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back forwards and
+// 40 back-to-back forward + backward pairs on the same buffers, alternating two routings;
+// and a peer that stops calling before each phase:
 // every other rank's error names it and the phase, after the timeout, instead of a hang.
 // Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"): the
 // default one (.../EP2, .../EP8); the epilogue combine, where L2's epilogue stores each row
@@ -16,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -124,6 +126,14 @@ TEST_P(EpEmulated, OverCapacityIsAnErrorAndNaNs) {
         /*expect_capacity=*/true);
 }
 
+// Each token's experts shifted alike (still distinct), by an amount that varies by token.
+std::vector<int32_t> shifted_ids(std::vector<int32_t> ids, int64_t E, int64_t k) {
+  for (size_t s = 0; s < ids.size(); ++s) {
+    if (ids[s] >= 0) ids[s] = static_cast<int32_t>((ids[s] + 1 + (s / k) % (E - 1)) % E);
+  }
+  return ids;
+}
+
 // No host sync between the calls, so ranks run ahead of each other as far as the phases let
 // them; the two routings give every other counts exchange other counts (the two slots of the
 // counts matrix).
@@ -135,11 +145,7 @@ TEST_P(EpEmulated, ManyBackToBackCalls) {
   constexpr int kCalls = 200;
   prepare(tokens, H, I, E, k, Routing::kRandom, 0.05, tokens * k * W, seed);
   if (HasFatalFailure()) return;
-  // Each token's experts shifted alike (still distinct), by an amount that varies by token.
-  std::vector<int32_t> shifted = ids_;
-  for (size_t s = 0; s < shifted.size(); ++s) {
-    if (shifted[s] >= 0) shifted[s] = static_cast<int32_t>((shifted[s] + 1 + (s / k) % (E - 1)) % E);
-  }
+  const std::vector<int32_t> shifted = shifted_ids(ids_, E, k);
   // The epilogue combine's y is the one-GPU layer's, the other paths' the EP=1 owners' sum.
   std::vector<uint16_t> expected[2], unused;
   if (epilogue_combine_) {
@@ -196,6 +202,71 @@ TEST_P(EpEmulated, ManyBackToBackCalls) {
   }
   EXPECT_EQ(wrong, 0) << "calls whose y differs from the "
                       << (epilogue_combine_ ? "one-GPU layer's" : "EP=1 owners' sum")
+                      << ", the first: " << first_wrong;
+}
+
+// Forward then backward, call after call with no host sync, alternating two routings: the
+// backward's buffers (on the epilogue paths its d topk_weights and dx slots and their
+// counters) reused while the ranks run ahead of each other, from a forward to its backward
+// and from one backward to the next. Every call's dx and d topk_weights as expected.
+TEST_P(EpEmulated, ManyBackToBackBackwards) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  const int W = world_;
+  const int64_t tokens = 48, H = 256, I = 128, E = 16, k = 2;
+  constexpr int kCalls = 40;
+  prepare(tokens, H, I, E, k, Routing::kRandom, 0.05, tokens * k * W, seed);
+  if (HasFatalFailure()) return;
+  const std::vector<int32_t> shifted = shifted_ids(ids_, E, k);
+  // dx: the one-GPU layer's on the epilogue paths, the EP=1 owners' sum on the others; d
+  // topk_weights: the one-GPU layer's on every path.
+  std::vector<uint16_t> expected_dx[2], unused;
+  std::vector<float> expected_dp[2];
+  for (int i = 0; i < 2; ++i) {
+    const SingleRank fused = one_gpu(i ? &shifted : nullptr);
+    expected_dp[i] = fused.dp;
+    if (epilogue_combine_) {
+      expected_dx[i] = fused.dx;
+    } else {
+      owner_sums(i ? shifted : ids_, unused, expected_dx[i]);
+    }
+  }
+  std::vector<const int32_t*> other_ids(W);
+  std::vector<__nv_bfloat16*> dxs(W);  // [kCalls, tokens, H] per rank
+  std::vector<float*> dps(W);          // [kCalls, tokens, k] per rank
+  for (int r = 0; r < W; ++r) {
+    other_ids[r] = upload_part(r, shifted, tokens * k);
+    dxs[r] = static_cast<__nv_bfloat16*>(alloc_on(device_of(r), kCalls * tokens * H * 2));
+    dps[r] = static_cast<float*>(alloc_on(device_of(r), kCalls * tokens * k * 4));
+  }
+  for (int call = 0; call < kCalls; ++call) {
+    for (int r = 0; r < W; ++r) {
+      const int32_t* ids = call % 2 ? other_ids[r] : nullptr;
+      launch_forward(r, false, ids);
+      launch_backward(r, false, ids, dxs[r] + call * tokens * H, dps[r] + call * tokens * k);
+    }
+  }
+  sync_ranks();
+  expect_no_errors("after the calls");
+  int wrong = 0, first_wrong = -1;
+  for (int call = 0; call < kCalls; ++call) {
+    std::vector<uint16_t> dx(W * tokens * H);
+    std::vector<float> dp(W * tokens * k);
+    for (int r = 0; r < W; ++r) {
+      const auto part = download<uint16_t>(dxs[r] + call * tokens * H, tokens * H);
+      std::copy(part.begin(), part.end(), dx.begin() + r * tokens * H);
+      const auto dp_part = download<float>(dps[r] + call * tokens * k, tokens * k);
+      std::copy(dp_part.begin(), dp_part.end(), dp.begin() + r * tokens * k);
+    }
+    const std::vector<float>& want_dp = expected_dp[call % 2];
+    if (dx != expected_dx[call % 2] ||
+        std::memcmp(dp.data(), want_dp.data(), dp.size() * 4) != 0) {
+      ++wrong;
+      if (first_wrong < 0) first_wrong = call;
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "calls whose dx or d topk_weights differ from "
+                      << (epilogue_combine_ ? "the one-GPU layer's" : "the expected")
                       << ", the first: " << first_wrong;
 }
 

@@ -88,7 +88,7 @@ struct PeerRowsOut {
   char* buffers[kMaxRanks] = {};  // every rank's buffer, as the calling rank sees it
   size_t rows_offset = 0;
   size_t done_offset = 0;
-  const int32_t* row_dest = nullptr;  // device [groups.rows]
+  const int32_t* row_dest = nullptr;  // device, by sorted row (C's rows)
   const int32_t* skip = nullptr;      // device [1]
   int64_t slots_per_rank = 0;
 };
