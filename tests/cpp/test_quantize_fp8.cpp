@@ -339,6 +339,7 @@ std::vector<RoutingCase> routing_cases() {
       {130, 1, 384, 8, 0, 0},     // k = 1, expert 0 empty
       {257, 3, 128, 2, 1, 5},     // every row into one expert, some dropped
       {64, 4, 2048, 128, 7, 0},   // qwen3's H and E, few tokens
+      {40, 8, 4224, 16, -1, 0},   // to-rows: a row in three rounds of 8, 8 and half a piece
   };
 }
 
@@ -352,17 +353,24 @@ TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGather) {
   }
   // A token routed twice to the same expert (the plan allows it): both rows written.
   check(3, 2, 128, 2, {1, 1, 0, 1, -1, -1}, fresh_seed());
-  // More destinations per row than a half-warp has lanes (entries 16 on read as used).
-  for (const int64_t k : {16, 17, 40}) {
+  // Destinations around a warp's 32 lanes (the to-rows kernel reads them 32 at a time),
+  // also with a row in two rounds of pieces (H = 2304).
+  for (const int64_t k : {16, 17, 32, 33, 40}) {
     const uint64_t seed = fresh_seed();
     std::mt19937_64 rng(seed);
     check(70, k, 256, 64, random_ids(70, k, 64, 3, 9, rng), seed);
   }
+  {
+    const uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    check(20, 40, 2304, 64, random_ids(20, 40, 64, 3, 9, rng), seed);
+  }
 }
 
-// The kernel's CTAs loop over the tiles (a grid of a few CTAs per SM, each loading the next
-// tile before it stores the current one): on a grid capped to 1 and 3 SMs each CTA takes
-// many tiles, the loop's last ones and a tile count that no CTA count divides among them.
+// The kernels' CTAs loop (a grid of a few CTAs per SM: the to-rows kernel's warps over the
+// rows, the gathered columns' CTAs over the tiles, each loading the next tile before it
+// stores the current one): on a grid capped to 1 and 3 SMs each CTA takes many rows or
+// tiles, the loop's last ones and a count that no CTA count divides among them.
 TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGatherOnFewCtas) {
   for (const int sms : {1, 3}) {
     SCOPED_TRACE("SmLimit " + std::to_string(sms));
@@ -374,7 +382,7 @@ TEST_F(QuantizeFp8SortedRows, EqualsQuantizeThenGatherOnFewCtas) {
     }
     const uint64_t seed = fresh_seed();
     std::mt19937_64 rng(seed);
-    check(300, 20, 384, 32, random_ids(300, 20, 32, 4, 11, rng), seed);  // k > 16
+    check(300, 40, 384, 32, random_ids(300, 40, 32, 4, 11, rng), seed);  // k > 32
   }
 }
 

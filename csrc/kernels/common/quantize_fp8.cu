@@ -23,8 +23,8 @@ constexpr int kWarps = kThreads / 32;
 // 16-byte loads, each half-warp reading 256 contiguous bytes of one row.
 constexpr int kColGroups = 16;
 constexpr int kRowsPerThread = 8;
-// Dynamic shared memory of the looping kernels, which stage their next tile there (gathered
-// columns, to rows, rows and columns): one tile of bf16 values, 16 bytes per thread and row.
+// Dynamic shared memory of the looping tile kernels, which stage their next tile there
+// (gathered columns, rows and columns): one tile of bf16 values, 16 bytes per thread and row.
 constexpr int kStageBytes = kRowsPerThread * kThreads * 16;
 
 // out[j] = byte j of a0, a1, a2, a3 (a0's in the low byte): a 4 x 4 byte transpose.
@@ -49,10 +49,10 @@ __device__ __forceinline__ uint32_t mask_nan(uint32_t q, uint32_t nan_bytes) {
 }
 
 // Thread (rg, cg) holds rows 8 rg .. 8 rg + 7 of a tile, as do the other 15 lanes of its
-// half-warp. The per-row indices (a gathered row's token and slot, a row's destinations)
-// are fetched one per lane and shuffled to the half-warp where used: lane cg holds those of
-// row cg % 8, or entry cg of each row's destinations; row_lane(i) is the lane holding entry
-// i. One register per index instead of eight, each half-warp's index loads coalesced.
+// half-warp. The per-row indices (a gathered row's token and slot) are fetched one per lane
+// and shuffled to the half-warp where used: lane cg holds those of row cg % 8; row_lane(i)
+// is the lane holding row i's. One register per index instead of eight, each half-warp's
+// index loads coalesced.
 __device__ __forceinline__ int row_lane(int i) { return (threadIdx.x % 32 & 16) + i; }
 
 // The shared memory of one tile: the transposed e4m3 values, the column maxima per warp
@@ -106,8 +106,8 @@ __device__ __forceinline__ void load_rows(const Fp8QuantizeArgs& a, const TilePo
 
 // This thread's 8 x 8 values of a tile of x, loaded by cp.async into its 8 slots of `stage`
 // (slot i at stage[i * kThreads + threadIdx.x]); rows from a.rows on as zeros. The next
-// tile of the to-rows and the rows-and-columns kernels waits there instead of in 32
-// registers (3 CTAs per SM instead of 2).
+// tile of the rows-and-columns kernel waits there instead of in 32 registers (3 CTAs per
+// SM instead of 2).
 __device__ __forceinline__ void load_rows_async(const Fp8QuantizeArgs& a, const TilePos& t,
                                                 uint4* stage) {
   const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
@@ -124,26 +124,6 @@ __device__ __forceinline__ void load_rows_async(const Fp8QuantizeArgs& a, const 
                  : "memory");
   }
   asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// ---- quantize_fp8_to_rows: where each row goes.
-
-// Entry j of row `row`'s destinations, -1 for none (a negative entry, j >= per_row, or a
-// row from `rows` on).
-__device__ __forceinline__ int32_t dest_entry(const Fp8RowDests& dests, int64_t rows,
-                                              int64_t row, int64_t j) {
-  return j < dests.per_row && row < rows ? __ldg(&dests.rows[row * dests.per_row + j]) : -1;
-}
-
-// Entry cg of the destinations of each of this thread's rows: all of them for per_row <=
-// 16, the first 16 otherwise (the others are read where used).
-__device__ __forceinline__ void load_dests(const Fp8RowDests& dests, int64_t rows,
-                                           const TilePos& t, int32_t (&d)[kRowsPerThread]) {
-  const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-    d[i] = dest_entry(dests, rows, t.row0 + kRowsPerThread * rg + i, cg);
-  }
 }
 
 // ---- quantize_fp8_columns_gathered: where each padded row comes from.
@@ -215,10 +195,10 @@ __device__ __forceinline__ void scale_gathered(const Fp8PaddedSource& p, const G
   }
 }
 
-// ---- One tile, loaded: its blocks' scales, the e4m3 values written directly (to the rows
-// `d` and `dests` give with kToRows) and/or transposed (through shared memory, as 8 x 8
-// byte blocks transposed in registers; 8-byte chunks XOR-swizzled by column group so that
-// both the stores and the 16-byte reads are free of bank conflicts).
+// ---- One tile, loaded: its blocks' scales, the e4m3 values written directly and/or
+// transposed (through shared memory, as 8 x 8 byte blocks transposed in registers; 8-byte
+// chunks XOR-swizzled by column group so that both the stores and the 16-byte reads are
+// free of bank conflicts).
 //
 // A CTA that quantizes tile after tile reuses the shared memory without a barrier of its
 // own (kColumns128, kColumnTiles128): each array is written for the next tile only past a
@@ -234,12 +214,10 @@ struct NoHook {
 // after_max (kColumns128, kColumnTiles128): called once this thread's values have all been
 // read (into the column maxima), before the tile's first barrier: the gathered kernel issues
 // the next tile's loads into the slots they came from there.
-template <Fp8Blocks kBlocks, bool kToRows, typename AfterMax = NoHook>
+template <Fp8Blocks kBlocks, typename AfterMax = NoHook>
 __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const TilePos& t,
-                                              const uint4 (&v)[kRowsPerThread],
-                                              const Fp8RowDests& dests,
-                                              const int32_t (&d)[kRowsPerThread],
-                                              TileSmem& sm, const AfterMax& after_max = {}) {
+                                              const uint4 (&v)[kRowsPerThread], TileSmem& sm,
+                                              const AfterMax& after_max = {}) {
   const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t ti = t.ti, tj = t.tj, row0 = t.row0, col0 = t.col0;
@@ -256,16 +234,7 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
       qlo[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r);
       qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
       const int64_t row = row0 + kRowsPerThread * rg + i;
-      if constexpr (kToRows) {
-        // Every lane writes the scale of its destination entries of the row.
-        const auto write = [&](int32_t dest) {
-          if (dest >= 0) scales[dest * a.s_0 + tj * a.s_1] = s.scale;
-        };
-        write(d[i]);
-        for (int64_t j0 = kColGroups; j0 < dests.per_row; j0 += kColGroups) {
-          write(dest_entry(dests, a.rows, row, j0 + cg));
-        }
-      } else if (cg == 0 && row < a.rows) {
+      if (cg == 0 && row < a.rows) {
         scales[row * a.s_0 + tj * a.s_1] = s.scale;
       }
     }
@@ -361,18 +330,7 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
     for (int i = 0; i < kRowsPerThread; ++i) {
       const uint2 q = make_uint2(qlo[i], qhi[i]);
       const int64_t row = row0 + kRowsPerThread * rg + i;
-      if constexpr (kToRows) {
-        // The half-warp writes the row to each destination in turn, entry j from lane j.
-        // (Uniform loops: every lane shuffles, rows past a.rows have no destinations.)
-        for (int64_t j0 = 0; j0 < dests.per_row; j0 += kColGroups) {
-          const int32_t mine = j0 == 0 ? d[i] : dest_entry(dests, a.rows, row, j0 + cg);
-          const int n = static_cast<int>(min(int64_t(kColGroups), dests.per_row - j0));
-          for (int j = 0; j < n; ++j) {
-            const int32_t dest = __shfl_sync(~0u, mine, row_lane(j));
-            if (dest >= 0) *reinterpret_cast<uint2*>(qb + dest * a.q_row) = q;
-          }
-        }
-      } else if (row < a.rows) {
+      if (row < a.rows) {
         *reinterpret_cast<uint2*>(qb + row * a.q_row) = q;
       }
     }
@@ -405,34 +363,30 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
   }
 }
 
-// A CTA of the kernels that loop (kToRows, kGathered) quantizes tiles blockIdx.x,
+// A CTA of the kernel that loops (kGathered) quantizes tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ... (a persistent grid of a few CTAs per SM): each tile's loads
 // are issued before the previous tile is quantized and stored (once the previous tile's
 // values have been read, into each thread's own slots of shared memory by cp.async),
 // so that a CTA has a tile's 32 KB in flight while it works (one tile per CTA left the
 // loads of a CTA idle through its reductions, barriers and stores), and with the gathered
 // rows the index loads that the addresses wait for (the expert search, row_token, row_slot
-// -> slot_weights) are a tile further ahead still. kToRows: tiles go to CTAs in the order
-// of one CTA per tile, so
-// the CTAs at work at one time read neighbouring tiles. kGathered: the tile's rows are
-// padded rows of a routing plan over the token matrix x (`dests` is then an
-// Fp8PaddedSource), read as gather_rows_padded would write them, and the tiles go column
-// stripe by column stripe (gathered_pos): every token is gathered into top-k experts' rows,
-// and the CTAs at work at one time read one or two 128-column stripes of x (4 MB at 16384
-// tokens of bf16), which stay in L2 across those k reads, where row-tile order reads whole
-// token rows that L2 has evicted by the token's next expert.
-template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
+// -> slot_weights) are a tile further ahead still. The tile's rows are padded rows of a
+// routing plan over the token matrix x (`src`), read as gather_rows_padded would write
+// them, and the tiles go column stripe by column stripe (gathered_pos): every token is
+// gathered into top-k experts' rows, and the CTAs at work at one time read one or two
+// 128-column stripes of x (4 MB at 16384 tokens of bf16), which stay in L2 across those k
+// reads, where row-tile order reads whole token rows that L2 has evicted by the token's
+// next expert.
+template <Fp8Blocks kBlocks, bool kGathered = false>
 __global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
-                        std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
-  static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
-  static_assert(!kGathered || ((kBlocks == Fp8Blocks::kColumns128 ||
-                                 kBlocks == Fp8Blocks::kColumnTiles128) && !kToRows));
+                        Fp8PaddedSource src) {
+  static_assert(!kGathered || kBlocks == Fp8Blocks::kColumns128 ||
+                kBlocks == Fp8Blocks::kColumnTiles128);
   __shared__ TileSmem sm;
-  const int32_t no_dests[kRowsPerThread] = {};  // (for the kernels without destinations)
 
   if constexpr (kGathered) {
-    const Fp8PaddedSource& p = dests;
+    const Fp8PaddedSource& p = src;
     // Row tiles from tile_offsets[E] on have no rows of the plan and are not written.
     const int64_t used = min(row_tiles, int64_t(max(__ldg(&p.tile_offsets[p.num_experts]), 0)));
     const int64_t tiles = used * col_tiles, stride = gridDim.x;
@@ -459,55 +413,25 @@ __global__ void __launch_bounds__(kThreads, 3)
       const auto load_next = [&] {
         if (next < tiles) load_gathered_async(a, gathered_pos(next, used), g1, stage);
       };
-      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm, load_next);
+      quantize_tile<kBlocks>(a, gathered_pos(tile, used), v, sm, load_next);
       if (next >= tiles) break;
       g = g1;
       w = w1;
       g1 = g2;
       tile = next;
     }
-  } else if constexpr (kToRows) {
-    const uint32_t tiles = static_cast<uint32_t>(a.batches * row_tiles * col_tiles);
-    const auto pos_of = [&](uint32_t tile) { return tile_pos32(tile, row_tiles, col_tiles); };
-    uint32_t tile = blockIdx.x;
-    if (tile >= tiles) return;
-    // As the gathered kernel: each thread's next-tile values in its own slots, no barrier.
-    extern __shared__ __align__(128) uint4 stage[];
-    TilePos pos = pos_of(tile);
-    int32_t d[kRowsPerThread];
-    load_rows_async(a, pos, stage);
-    load_dests(dests, a.rows, pos, d);
-    for (;;) {
-      const uint32_t next = tile + gridDim.x;
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      uint4 v[kRowsPerThread];
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
-      const TilePos npos = pos_of(next);
-      int32_t dn[kRowsPerThread];
-      if (next < tiles) {
-        load_rows_async(a, npos, stage);
-        load_dests(dests, a.rows, npos, dn);
-      }
-      quantize_tile<kBlocks, true>(a, pos, v, dests, d, sm);
-      if (next >= tiles) break;
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) d[i] = dn[i];
-      tile = next;
-      pos = npos;
-    }
   } else {
     // One tile per CTA.
     const TilePos pos = tile_pos(blockIdx.x, row_tiles, col_tiles);
     uint4 v[kRowsPerThread];
     load_rows(a, pos, v);
-    quantize_tile<kBlocks, false>(a, pos, v, {}, no_dests, sm);
+    quantize_tile<kBlocks>(a, pos, v, sm);
   }
 }
 
 // quantize_fp8_rows_and_columns: each tile of x loaded once (the next tile staged as in the
-// looping kernels above, its loads issued once the column maxima are taken, as the gathered
-// kernel does) and quantized twice from the same registers, 128-row columns into `cols`
+// gathered kernel above, its loads issued once the column maxima are taken, as that kernel
+// does) and quantized twice from the same registers, 128-row columns into `cols`
 // and 1x128 into `rows`. Each half is quantize_fp8's code for its blocks on the same
 // values, so each output has its kernel's bits. The rows need no shared memory, so the
 // columns' reuse of it from tile to tile stays as quantize_tile describes. (Columns first:
@@ -517,7 +441,6 @@ __global__ void __launch_bounds__(kThreads, 3)
                                          int64_t row_tiles, int64_t col_tiles) {
   __shared__ TileSmem sm;
   extern __shared__ __align__(128) uint4 stage[];
-  const int32_t no_dests[kRowsPerThread] = {};
   const uint32_t tiles = static_cast<uint32_t>(rows.batches * row_tiles * col_tiles);
   uint32_t tile = blockIdx.x;
   if (tile >= tiles) return;
@@ -533,11 +456,74 @@ __global__ void __launch_bounds__(kThreads, 3)
     const auto load_next = [&] {
       if (next < tiles) load_rows_async(rows, npos, stage);
     };
-    quantize_tile<Fp8Blocks::kColumns128, false>(cols, pos, v, {}, no_dests, sm, load_next);
-    quantize_tile<Fp8Blocks::kRows1x128, false>(rows, pos, v, {}, no_dests, sm);
+    quantize_tile<Fp8Blocks::kColumns128>(cols, pos, v, sm, load_next);
+    quantize_tile<Fp8Blocks::kRows1x128>(rows, pos, v, sm);
     if (next >= tiles) break;
     tile = next;
     pos = npos;
+  }
+}
+
+// quantize_fp8_to_rows: one warp per row of x, each lane's loads of a round of the row all in
+// flight before it quantizes. Lane l holds columns 8 l .. 8 l + 7 of each 256-column piece,
+// so a half-warp holds one 1x128 block, as in quantize_tile: each block's maximum, scale
+// and e4m3 values are quantize_tile's arithmetic (and so quantize_fp8's bits). Lane j holds
+// entry j of the row's destinations (32 at a time); each destination gets the round's
+// values by 256-byte stores of the warp and its scales from lanes 0-15, lane l the scale of
+// the round's block l. The tile kernel this replaced wrote 128-byte pieces of 128 rows at a
+// time and moved 2.5-2.8 TB/s; the same traffic in whole rows runs at about 3.7 TB/s
+// (tools/scatter_rate.cu; the performance log, fifteenth session of 2026-12-04).
+constexpr int kRowPieces = 8;  // 256-column pieces a round: a row of H = 2048 at once
+
+__global__ void __launch_bounds__(kThreads, 3)
+    quantize_fp8_to_rows_kernel(const Fp8QuantizeArgs a, const Fp8RowDests dests) {
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = a.batches * a.rows, blocks = a.cols / kTile;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t g = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; g < rows; g += warps) {
+    const int64_t b = g / a.rows, row = g - b * a.rows;
+    const __nv_bfloat16* x = a.x + b * a.x_batch + row * a.x_row;
+    uint8_t* q = a.q + b * a.q_batch;
+    float* scales = a.scales + b * a.s_batch;
+    for (int64_t c0 = 0; c0 < a.cols; c0 += kRowPieces * 256) {
+      uint4 v[kRowPieces];
+#pragma unroll
+      for (int i = 0; i < kRowPieces; ++i) {
+        const int64_t c = c0 + 256 * i + 8 * lane;
+        v[i] = c < a.cols ? __ldg(reinterpret_cast<const uint4*>(x + c)) : make_uint4(0, 0, 0, 0);
+      }
+      uint2 e4m3[kRowPieces];
+      float scale = 0.0f;  // lane l < 16: the scale of the round's block l
+#pragma unroll
+      for (int i = 0; i < kRowPieces; ++i) {
+        uint32_t m = max_of_halves(abs_max_bits(v[i]));
+#pragma unroll
+        for (int off = 1; off < kColGroups; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
+        const Fp8BlockScale s = fp8_block_scale_bf16(m);
+        e4m3[i] = s.nonfinite ? make_uint2(kE4m3NanX4, kE4m3NanX4)
+                              : make_uint2(fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r),
+                                           fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r));
+        const float block_scale = __shfl_sync(~0u, s.scale, 16 * (lane % 2));
+        if (lane / 2 == i) scale = block_scale;
+      }
+      const int64_t block = c0 / kTile + lane;
+      for (int64_t j0 = 0; j0 < dests.per_row; j0 += 32) {
+        const int32_t mine =
+            j0 + lane < dests.per_row ? __ldg(&dests.rows[row * dests.per_row + j0 + lane]) : -1;
+        for (unsigned to = __ballot_sync(~0u, mine >= 0); to != 0; to &= to - 1) {
+          const int64_t r = __shfl_sync(~0u, mine, __ffs(to) - 1);
+          uint8_t* qr = q + r * a.q_row;
+#pragma unroll
+          for (int i = 0; i < kRowPieces; ++i) {
+            const int64_t c = c0 + 256 * i + 8 * lane;
+            if (c < a.cols) *reinterpret_cast<uint2*>(qr + c) = e4m3[i];
+          }
+          if (lane < 2 * kRowPieces && block < blocks) {
+            scales[r * a.s_0 + block * a.s_1] = scale;
+          }
+        }
+      }
+    }
   }
 }
 
@@ -706,7 +692,7 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
     constexpr auto kernel =
         &quantize_fp8_kernel<decltype(tile_scales)::value ? Fp8Blocks::kColumnTiles128
                                                           : Fp8Blocks::kColumns128,
-                             false, true>;
+                             true>;
     kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
         a, row_tiles_of(a), a.cols / kTile, src);
   };
@@ -724,9 +710,17 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   const unsigned grid = checked_grid(Fp8Blocks::kRows1x128, a, true);
   if (grid == 0) return;
   if (dests.rows == nullptr) fail("null dests.rows");
-  constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>;
-  kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
-      a, row_tiles_of(a), a.cols / kTile, dests);
+  // A persistent grid: as many CTAs as fit on the SMs at once (sm_count(): the device's, or
+  // an SmLimit's), or one per kWarps rows when there are fewer.
+  static const int per_sm = [] {
+    int n = 0;
+    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, quantize_fp8_to_rows_kernel, kThreads, 0));
+    return n > 0 ? n : 1;
+  }();
+  const int64_t ctas = std::min<int64_t>((a.batches * a.rows + kWarps - 1) / kWarps,
+                                         int64_t(per_sm) * sm_count());
+  quantize_fp8_to_rows_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(a, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
