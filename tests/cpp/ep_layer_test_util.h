@@ -128,6 +128,17 @@ class EpLayerTest : public RanksTest {
     EXPECT_EQ(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return h;
   }
+  // One call's part of every rank's array of per-call outputs (elements [call * per_rank,
+  // (call + 1) * per_rank) of bufs[r]), in rank order: that call's global output.
+  template <class T, class Buf>
+  std::vector<T> gather_call(const std::vector<Buf*>& bufs, int call, int64_t per_rank) {
+    std::vector<T> out;
+    for (const Buf* b : bufs) {
+      const std::vector<T> part = download<T>(b + call * per_rank, per_rank);
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
+  }
 
   // The global problem of tokens * W tokens and every rank's part of it on its device, on
   // fresh zeroed symmetric buffers. tokens: per rank.

@@ -16,7 +16,6 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -190,12 +189,7 @@ TEST_P(EpEmulated, ManyBackToBackCalls) {
   }
   int wrong = 0, first_wrong = -1;
   for (int call = 0; call < kCalls; ++call) {
-    std::vector<uint16_t> y(W * tokens * H);
-    for (int r = 0; r < W; ++r) {
-      const std::vector<uint16_t> part = download<uint16_t>(ys[r] + call * tokens * H, tokens * H);
-      std::copy(part.begin(), part.end(), y.begin() + r * tokens * H);
-    }
-    if (y != expected[call % 2]) {
+    if (gather_call<uint16_t>(ys, call, tokens * H) != expected[call % 2]) {
       ++wrong;
       if (first_wrong < 0) first_wrong = call;
     }
@@ -250,14 +244,8 @@ TEST_P(EpEmulated, ManyBackToBackBackwards) {
   expect_no_errors("after the calls");
   int wrong = 0, first_wrong = -1;
   for (int call = 0; call < kCalls; ++call) {
-    std::vector<uint16_t> dx(W * tokens * H);
-    std::vector<float> dp(W * tokens * k);
-    for (int r = 0; r < W; ++r) {
-      const auto part = download<uint16_t>(dxs[r] + call * tokens * H, tokens * H);
-      std::copy(part.begin(), part.end(), dx.begin() + r * tokens * H);
-      const auto dp_part = download<float>(dps[r] + call * tokens * k, tokens * k);
-      std::copy(dp_part.begin(), dp_part.end(), dp.begin() + r * tokens * k);
-    }
+    const std::vector<uint16_t> dx = gather_call<uint16_t>(dxs, call, tokens * H);
+    const std::vector<float> dp = gather_call<float>(dps, call, tokens * k);
     const std::vector<float>& want_dp = expected_dp[call % 2];
     if (dx != expected_dx[call % 2] ||
         std::memcmp(dp.data(), want_dp.data(), dp.size() * 4) != 0) {
