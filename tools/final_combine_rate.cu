@@ -77,13 +77,7 @@ template <class Launch>
 void time_it(const Data& d, const char* what, int blocks, Launch&& launch, int iters) {
   CK(cudaMemset(d.out, 0xff, kT * d.H * 2));  // poisoned: every row must be written
   const double us = rate_util::median_us(launch, iters, 3);
-  const char* verdict = "(reference)";
-  if (d.first != nullptr) {
-    std::vector<uint16_t> x(kT * d.H), y(kT * d.H);
-    CK(cudaMemcpy(x.data(), d.out, x.size() * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(y.data(), d.first, y.size() * 2, cudaMemcpyDeviceToHost));
-    verdict = x == y ? "bitwise equal" : "DIFFERENT BITS";
-  }
+  const char* verdict = rate_util::verdict(d.out, d.first, size_t(kT) * d.H * 2);
   const double gbs = double((d.rows_read + kT) * d.H * 2) / (us * 1e3);
   std::printf("H=%d W=%d %-18s %4d blocks x %d threads %8.1f us %7.1f GB/s  %s\n", d.H,
               d.world, what, blocks, kThreads, us, gbs, verdict);
@@ -135,8 +129,7 @@ void run_case(int H, int world, int sms, int iters) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int sms = rate_util::sm_count();
   for (const int H : {2048, 4096}) {
     for (const int world : {2, 8}) run_case(H, world, sms, iters);
   }

@@ -1,6 +1,6 @@
 // What the stand-alone rate tools (send_rate.cu, final_combine_rate.cu, scatter_rate.cu)
-// share: a hash for synthetic data, bf16 rows with exact +0 and -0 among them, and the
-// median time of a launch.
+// share: a hash for synthetic data, bf16 rows with exact +0 and -0 among them, the median
+// time of a launch, the bitwise verdict against a reference output and the SM count.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -51,6 +51,22 @@ double median_us(Launch&& launch, int iters, int warmup) {
   CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
   std::sort(ms.begin(), ms.end());
   return 1e3 * ms[ms.size() / 2];
+}
+
+// `out` against the reference output `first` (device, `bytes` each; null: out is the
+// reference).
+inline const char* verdict(const void* out, const void* first, size_t bytes) {
+  if (first == nullptr) return "(reference)";
+  std::vector<uint8_t> x(bytes), y(bytes);
+  CK(cudaMemcpy(x.data(), out, bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(y.data(), first, bytes, cudaMemcpyDeviceToHost));
+  return x == y ? "bitwise equal" : "DIFFERENT BITS";
+}
+
+inline int sm_count() {
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return sms;
 }
 
 }  // namespace rate_util

@@ -81,8 +81,7 @@ void time_mode(const char* what, const uint4* x, const int32_t* dest, uint4* row
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int sms = rate_util::sm_count();
   uint4 *x, *rows;
   int32_t *dest_random, *dest_ordered, *sink;
   CK(cudaMalloc(&x, kT * kH * 2));

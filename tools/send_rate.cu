@@ -129,13 +129,7 @@ void time_sums(const Data& d, const char* name, int blocks, int threads, const c
                Launch&& launch, int iters) {
   CK(cudaMemset(d.out, 0xff, kT * d.H * 2));  // poisoned: every row must be written
   const double us = rate_util::median_us(launch, iters, iters > 1 ? 3 : 0);
-  const char* verdict = "(reference)";
-  if (d.first != nullptr) {
-    std::vector<uint16_t> x(kT * d.H), y(kT * d.H);
-    CK(cudaMemcpy(x.data(), d.out, x.size() * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(y.data(), d.first, y.size() * 2, cudaMemcpyDeviceToHost));
-    verdict = x == y ? "bitwise equal" : "DIFFERENT BITS";
-  }
+  const char* verdict = rate_util::verdict(d.out, d.first, size_t(kT) * d.H * 2);
   const double gbs = double(d.rows_read * d.H * 2 + kT * d.H * 2) / (us * 1e3);
   std::printf("H=%d p=%.3f %-26s %4d blocks x %4d threads, %-22s %8.1f us %7.1f GB/s  %s\n",
               d.H, d.p, name, blocks, threads, what, us, gbs, verdict);
@@ -213,8 +207,7 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out before a possible timeout
   const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
   const bool quick = argc > 2 && std::string(argv[2]) == "quick";  // H = 2048, p = 1/2 and 1/8
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int sms = rate_util::sm_count();
   if (quick) {
     run_case(2048, 0.5, kR, sms, iters);
     run_case(2048, 0.125, kR, sms, iters);
