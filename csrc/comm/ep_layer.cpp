@@ -373,7 +373,11 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   const int64_t I = experts.intermediate;
   check_call(g, T, I);
   if (experts.hidden != g.hidden) throw_invalid("EP backward: the experts' H is not the group's");
-  if (!dy || !dx || !d_topk_weights || !d_w_gate_up.wanted() || !d_w_down.wanted()) {
+  // A rank with no tokens (T = 0) has empty dy, dx and d topk_weights, whose data a
+  // framework may give as null (torch does); it still owns experts, so the weight gradients
+  // are required on every rank.
+  if ((T > 0 && (!dy || !dx || !d_topk_weights)) || !d_w_gate_up.wanted() ||
+      !d_w_down.wanted()) {
     throw_invalid("EP backward: dy and every gradient are required in this version");
   }
   const CallWorkspace w = carve_checked(

@@ -10,6 +10,8 @@
 //     (which folds every slot's row on the token's rank, as the one-GPU layer does), and
 //     the forward against the float64 CPU reference;
 //   - its own first call: later calls on the same buffers bitwise equal.
+// Every rank has the same number of tokens unless uneven_tokens_ says otherwise; a rank with
+// none gives the layer null token tensors, as torch does for empty ones.
 // With epilogue_combine_, overlap_dispatch_, fp8_bf16_dispatch_ or overlap_backward_ set
 // before prepare(), every EP=W group runs the forward's epilogue combine, its dispatch beside
 // the own rows' chain, (FP8) its bf16 dispatch, or the backward's dx send beside its weight
@@ -58,6 +60,14 @@ inline const char* const kEpPathNames[] = {"Default", "EpilogueCombine", "Overla
                                            "Overlap_EpilogueCombine"};
 inline constexpr int kEpPaths[] = {kDefault, kEpilogueCombine, kOverlapDispatch,
                                    kOverlapAndEpilogue};
+
+// Tokens of W ranks for EpLayerTest::uneven_tokens_: none on the first rank, `most` on the
+// last, counts between on the others.
+inline std::vector<int64_t> uneven_token_counts(int W, int64_t most) {
+  std::vector<int64_t> counts(W);
+  for (int r = 0; r < W; ++r) counts[r] = r == 0 ? 0 : r == W - 1 ? most : 1 + (29 * r) % most;
+  return counts;
+}
 
 // Bytes of each rank's symmetric buffer for g (whose buffers need not exist yet).
 inline size_t ep_buffer_bytes(megamoe::ep::Group g) {
@@ -122,6 +132,14 @@ class EpLayerTest : public RanksTest {
     return upload_on(device_of(r), std::vector<T>(global.begin() + r * per_rank,
                                                   global.begin() + (r + 1) * per_rank));
   }
+  // Rank r's tokens' part of a global per-token array of `per_token` elements a token; null
+  // for a rank with no tokens, as torch gives an empty tensor's data.
+  template <class T>
+  T* upload_tokens(int r, const std::vector<T>& global, int64_t per_token) {
+    if (rank_tokens_[r] == 0) return nullptr;
+    const auto first = global.begin() + rank_first_[r] * per_token;
+    return upload_on(device_of(r), std::vector<T>(first, first + rank_tokens_[r] * per_token));
+  }
   template <class T>
   std::vector<T> download(const void* d, int64_t count) {
     std::vector<T> h(count);
@@ -140,16 +158,28 @@ class EpLayerTest : public RanksTest {
     return out;
   }
 
-  // The global problem of tokens * W tokens and every rank's part of it on its device, on
-  // fresh zeroed symmetric buffers. tokens: per rank.
+  // The global problem of every rank's tokens, in rank order, and every rank's part of it on
+  // its device, on fresh zeroed symmetric buffers. tokens: per rank, the group's max_tokens;
+  // every rank has that many unless uneven_tokens_ gives each rank's count.
   void prepare(int64_t tokens, int64_t H, int64_t I, int64_t E, int64_t k, Routing routing,
                double p_none, int64_t max_recv_rows, uint64_t seed, int32_t comm_sms = 0,
                int64_t timeout_ns = kLongTimeoutNs) {
     const int W = world_;
     ASSERT_EQ(E % W, 0);
-    tokens_ = tokens;
     e_local_ = E / W;
-    const int64_t T_all = tokens * W;
+    if (uneven_tokens_.empty()) {
+      rank_tokens_.assign(W, tokens);
+    } else {
+      ASSERT_EQ(uneven_tokens_.size(), size_t(W)) << "uneven_tokens_: one count per rank";
+      rank_tokens_ = uneven_tokens_;
+    }
+    rank_first_.assign(W, 0);
+    int64_t T_all = 0;
+    for (int r = 0; r < W; ++r) {
+      ASSERT_TRUE(rank_tokens_[r] >= 0 && rank_tokens_[r] <= tokens) << "rank " << r;
+      rank_first_[r] = T_all;
+      T_all += rank_tokens_[r];
+    }
     std::mt19937_64 rng(seed);
     const int64_t used = routing == Routing::kAllOnLastRank ? e_local_ : E;
     p_ = random_problem(rng, {T_all, H, I, E, k}, std::min(used, E), p_none);
@@ -198,25 +228,29 @@ class EpLayerTest : public RanksTest {
         side_stream_groups_.push_back(rk.g);
       }
       const auto bf16 = [](void* p) { return static_cast<__nv_bfloat16*>(p); };
-      rk.x = bf16(upload_part(r, x_, tokens * H));
-      rk.ids = upload_part(r, ids_, tokens * k);
-      rk.weights = upload_part(r, weights_, tokens * k);
+      const int64_t T = rank_tokens_[r];
+      rk.x = bf16(upload_tokens(r, x_, H));
+      rk.ids = upload_tokens(r, ids_, k);
+      rk.weights = upload_tokens(r, weights_, k);
       rk.w1 = bf16(upload_part(r, w1_, e * 2 * I * H));
       rk.w2 = bf16(upload_part(r, w2_, e * H * I));
-      rk.y = bf16(alloc_on(dev, tokens * H * 2));
-      rk.dy = bf16(upload_part(r, dy_, tokens * H));
-      rk.dx = bf16(alloc_on(dev, tokens * H * 2));
-      rk.dp = static_cast<float*>(alloc_on(dev, tokens * k * 4));
+      const auto alloc_tokens = [&](int64_t bytes_per_token) {
+        return T > 0 ? alloc_on(dev, T * bytes_per_token) : nullptr;
+      };
+      rk.y = bf16(alloc_tokens(H * 2));
+      rk.dy = bf16(upload_tokens(r, dy_, H));
+      rk.dx = bf16(alloc_tokens(H * 2));
+      rk.dp = static_cast<float*>(alloc_tokens(k * 4));
       rk.dw1 = bf16(alloc_on(dev, e * 2 * I * H * 2));
       rk.dw2 = bf16(alloc_on(dev, e * H * I * 2));
-      rk.workspace_size = megamoe::ep::forward_workspace_bytes(rk.g, tokens, I);
+      rk.workspace_size = megamoe::ep::forward_workspace_bytes(rk.g, T, I);
       rk.workspace = alloc_on(dev, rk.workspace_size);
       rk.saved_h = bf16(alloc_on(dev, max_recv_rows * 2 * I * 2));
       rk.acc1 = static_cast<float*>(alloc_on(dev, e * 2 * I * H * 4));
       rk.acc2 = static_cast<float*>(alloc_on(dev, e * H * I * 4));
       // Recompute mode needs the larger workspace; saved mode uses the same one.
-      rk.bwd_workspace_size = megamoe::ep::backward_workspace_bytes(rk.g, tokens, I, false);
-      EXPECT_LE(megamoe::ep::backward_workspace_bytes(rk.g, tokens, I, true), rk.bwd_workspace_size);
+      rk.bwd_workspace_size = megamoe::ep::backward_workspace_bytes(rk.g, T, I, false);
+      EXPECT_LE(megamoe::ep::backward_workspace_bytes(rk.g, T, I, true), rk.bwd_workspace_size);
       rk.bwd_workspace = alloc_on(dev, rk.bwd_workspace_size);
     }
   }
@@ -232,7 +266,7 @@ class EpLayerTest : public RanksTest {
     const OnRank on = on_rank(r);
     Rank& rk = ranks_[r];
     megamoe::ep::forward(rk.g, rk.x, ids ? ids : rk.ids, false, rk.weights, rk.w1, rk.w2,
-                         tokens_, I(), y ? y : rk.y, keep_h ? rk.saved_h : nullptr,
+                         rank_tokens_[r], I(), y ? y : rk.y, keep_h ? rk.saved_h : nullptr,
                          rk.workspace, rk.workspace_size, streams_[r]);
   }
 
@@ -246,8 +280,11 @@ class EpLayerTest : public RanksTest {
     const int64_t e = e_local_, H = this->H(), I = this->I();
     if (dx == nullptr) dx = rk.dx;
     if (dp == nullptr) dp = rk.dp;
-    CUDA_OK(cudaMemsetAsync(dx, 0xFF, tokens_ * H * 2, streams_[r]));
-    CUDA_OK(cudaMemsetAsync(dp, 0xFF, tokens_ * k() * 4, streams_[r]));
+    const int64_t T = rank_tokens_[r];
+    if (T > 0) {
+      CUDA_OK(cudaMemsetAsync(dx, 0xFF, T * H * 2, streams_[r]));
+      CUDA_OK(cudaMemsetAsync(dp, 0xFF, T * k() * 4, streams_[r]));
+    }
     CUDA_OK(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]));
     CUDA_OK(cudaMemsetAsync(rk.acc1, 0, e * 2 * I * H * 4, streams_[r]));
     CUDA_OK(cudaMemsetAsync(rk.acc2, 0, e * H * I * 4, streams_[r]));
@@ -255,7 +292,7 @@ class EpLayerTest : public RanksTest {
     const WeightGrad g1 = saved ? WeightGrad::of(rk.acc1, true) : WeightGrad::of(rk.dw1, false);
     const WeightGrad g2 = saved ? WeightGrad::of(rk.acc2, true) : WeightGrad::of(rk.dw2, false);
     megamoe::ep::backward(rk.g, rk.dy, rk.x, ids ? ids : rk.ids, false, rk.weights, rk.w1,
-                          rk.w2, tokens_, I, saved ? rk.saved_h : nullptr, dx, dp, g1, g2,
+                          rk.w2, T, I, saved ? rk.saved_h : nullptr, dx, dp, g1, g2,
                           rk.bwd_workspace, rk.bwd_workspace_size, streams_[r]);
   }
 
@@ -291,6 +328,22 @@ class EpLayerTest : public RanksTest {
       EXPECT_EQ(cudaSetDevice(device_of(r)), cudaSuccess);
       EXPECT_EQ(cudaMemcpy(all.data() + r * per_rank, ranks_[r].*output, per_rank * sizeof(Host),
                            cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    }
+    return all;
+  }
+
+  // Every rank's tokens' rows of a per-token output of `per_token` elements a token, in rank
+  // order: the global problem's rows (the streams synced).
+  template <class Host, class Device>
+  std::vector<Host> gather_tokens(Device* Rank::*output, int64_t per_token) {
+    static_assert(sizeof(Host) == sizeof(Device));
+    std::vector<Host> all(T_all() * per_token);
+    for (int r = 0; r < world_; ++r) {
+      if (rank_tokens_[r] == 0) continue;
+      EXPECT_EQ(cudaSetDevice(device_of(r)), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(all.data() + rank_first_[r] * per_token, ranks_[r].*output,
+                           rank_tokens_[r] * per_token * sizeof(Host), cudaMemcpyDeviceToHost),
                 cudaSuccess);
     }
     return all;
@@ -467,12 +520,14 @@ class EpLayerTest : public RanksTest {
       for (int r = 0; r < W; ++r) {  // every rank's launches first: they wait on each other
         {
           const OnRank on = on_rank(r);
-          CUDA_OK(cudaMemsetAsync(ranks_[r].y, 0xFF, tokens * H * 2, streams_[r]));
+          if (ranks_[r].y) {
+            CUDA_OK(cudaMemsetAsync(ranks_[r].y, 0xFF, rank_tokens_[r] * H * 2, streams_[r]));
+          }
         }
         launch_forward(r, false);
       }
       sync_ranks();
-      const std::vector<uint16_t> got = gather<uint16_t>(&Rank::y, tokens * H);
+      const std::vector<uint16_t> got = gather_tokens<uint16_t>(&Rank::y, H);
       for (int r = 0; r < W; ++r) {
         const int32_t code = error_of(r);
         if (expect_capacity) {
@@ -498,9 +553,9 @@ class EpLayerTest : public RanksTest {
       Tensor y_ref(MEGAMOE_DTYPE_FLOAT64, {T_all, H});
       ASSERT_EQ(forward(p_, y_ref), MEGAMOE_SUCCESS) << megamoe_last_error();
       const double err = rel_error(y, y_ref.values());
-      std::printf("EP=%d%s T/rank=%ld H=%ld I=%ld E=%ld k=%ld: rel err %.3e (vs one GPU %.3e)\n",
-                  W, emulated_ ? " (emulated)" : "", long(tokens), long(H), long(I), long(E),
-                  long(k), err, vs_one_gpu);
+      std::printf("EP=%d%s T/rank%s%ld H=%ld I=%ld E=%ld k=%ld: rel err %.3e (vs one GPU %.3e)\n",
+                  W, emulated_ ? " (emulated)" : "", uneven_tokens_.empty() ? "=" : "<=",
+                  long(tokens), long(H), long(I), long(E), long(k), err, vs_one_gpu);
       EXPECT_LT(err, 1e-2);
       EXPECT_LT(vs_one_gpu, kEpVsOneGpu);
     }
@@ -515,14 +570,14 @@ class EpLayerTest : public RanksTest {
       if (saved) {
         for (int r = 0; r < W; ++r) launch_forward(r, true);
         sync_ranks();
-        EXPECT_EQ(gather<uint16_t>(&Rank::y, tokens * H), first_y)
+        EXPECT_EQ(gather_tokens<uint16_t>(&Rank::y, H), first_y)
             << "the forward that keeps h changed y";
       }
       for (int r = 0; r < W; ++r) launch_backward(r, saved);
       sync_ranks();
       expect_no_errors("backward call " + std::to_string(call));
-      const auto dx_all = gather<uint16_t>(&Rank::dx, tokens * H);
-      const auto dp_all = gather<float>(&Rank::dp, tokens * k);
+      const auto dx_all = gather_tokens<uint16_t>(&Rank::dx, H);
+      const auto dp_all = gather_tokens<float>(&Rank::dp, k);
       const auto dw1_all = gather<uint16_t>(&Rank::dw1, e * 2 * I * H);
       const auto dw2_all = gather<uint16_t>(&Rank::dw2, e * H * I);
       const auto acc1_all = gather<float>(&Rank::acc1, e * 2 * I * H);
@@ -572,7 +627,11 @@ class EpLayerTest : public RanksTest {
   bool fp8_bf16_dispatch_ = false;  // the EP=W groups' Group::fp8_bf16_dispatch
   bool overlap_backward_ = false;   // the EP=W groups' Group::overlap_backward
   Problem p_;
-  int64_t tokens_ = 0, e_local_ = 0;
+  // Each rank's tokens for the next prepare() (empty: its `tokens` on every rank).
+  std::vector<int64_t> uneven_tokens_;
+  // Set by prepare(): each rank's tokens, and the global index of its first.
+  std::vector<int64_t> rank_tokens_, rank_first_;
+  int64_t e_local_ = 0;
   std::vector<uint16_t> x_, w1_, w2_, dy_;
   std::vector<int32_t> ids_;
   std::vector<float> weights_;

@@ -3,7 +3,8 @@
 // without a GPU). The cases of test_ep_layer.cpp, forward and both backward modes, bitwise
 // against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back forwards and
 // 40 back-to-back forward + backward pairs on the same buffers, alternating two routings;
-// and a peer that stops calling before each phase:
+// ranks with different numbers of tokens, one with none; and a peer that stops calling
+// before each phase of the forward or the backward:
 // every other rank's error names it and the phase, after the timeout, instead of a hang.
 // Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"): the
 // default one (.../EP2, .../EP8); the epilogue combine, where L2's epilogue stores each row
@@ -16,6 +17,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -38,6 +40,34 @@ class EpEmulated : public megamoe_test::EpLayerTest,
     use_path(std::get<1>(GetParam()));
     // The overlapped paths' side streams made with the ranks' own (kQueuePerEmulatedRank).
     emulate(std::get<0>(GetParam()), overlap_dispatch_);
+  }
+
+  // The missing rank goes as far as the phase before `stop` of a call (its own waits are
+  // long: the others arrive there) and no further. Returns its error word, which must stay
+  // 0 when the others have called.
+  int32_t* stop_before(Phase stop, int missing) {
+    const int64_t E = group_.num_experts;
+    auto* counts = static_cast<int32_t*>(alloc_on(device_of(missing), E * 4));  // zeros
+    auto* peer_error = static_cast<int32_t*>(alloc_on(device_of(missing), 4));
+    const OnRank on = on_rank(missing);
+    const megamoe::comm::PeerTable& peers = tables_[missing];
+    if (stop != Phase::kCounts) {
+      megamoe::comm::exchange_counts(peers, counts, E, megamoe_test::kLongTimeoutNs, peer_error,
+                                     streams_[missing]);
+    }
+    if (stop == Phase::kCombine) {
+      megamoe::comm::phase_barrier(peers, Phase::kDispatch, megamoe_test::kLongTimeoutNs,
+                                   peer_error, streams_[missing]);
+    }
+    return peer_error;
+  }
+  void expect_timeouts_naming(int missing, const char* phase) {
+    const std::string expected = "rank " + std::to_string(missing) + " did not arrive in phase '" +
+                                 phase + "' within the timeout";
+    for (int r = 0; r < world_; ++r) {
+      if (r == missing) continue;
+      EXPECT_EQ(megamoe::comm::describe_error(error_of(r)), expected) << "rank " << r;
+    }
   }
 };
 
@@ -113,6 +143,20 @@ TEST_P(EpEmulated, EveryTokenOnOneRank) {
   // Ranks other than the last receive nothing; the last receives every row.
   check(64, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, 64 * 2 * world_,
         megamoe_test::fresh_seed());
+}
+
+// Ranks with different numbers of tokens, the first with none (its token tensors null): it
+// sends nothing, and receives rows for its experts' GEMMs and weight gradients. Then the
+// counts reversed and every row on the last rank, which has no tokens: it receives every row
+// and sends none, and the others receive nothing.
+TEST_P(EpEmulated, UnevenTokensAndARankWithNone) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  const int W = world_;
+  constexpr int64_t kMost = 96;
+  uneven_tokens_ = megamoe_test::uneven_token_counts(W, kMost);
+  check(kMost, 256, 128, 16, 4, Routing::kRandom, 0.05, kMost * 4 * W, seed);
+  std::reverse(uneven_tokens_.begin(), uneven_tokens_.end());
+  check(kMost, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, kMost * 2 * W, seed + 1);
 }
 
 TEST_P(EpEmulated, FewCopySms) {  // num_comm_sms: 3 SMs move every row
@@ -258,12 +302,11 @@ TEST_P(EpEmulated, ManyBackToBackBackwards) {
                       << ", the first: " << first_wrong;
 }
 
-// The last rank goes as far as the phase before `stop` (its own waits are long: the others
-// arrive there) and never makes the call; the others call the layer with a short timeout.
-// With the epilogue combine, a peer that passed the dispatch phase but never runs its L2 is
-// missed where each rank waits for its slots' rows: phase 'combine rows'. (64 tokens of 2
-// slots per rank over 2W experts: every rank has a slot on the missing rank, but for a
-// chance of about 1e-7.)
+// The last rank goes as far as the phase before `stop` (stop_before) and never makes the
+// call; the others call the layer with a short timeout. With the epilogue combine, a peer
+// that passed the dispatch phase but never runs its L2 is missed where each rank waits for
+// its slots' rows: phase 'combine rows'. (64 tokens of 2 slots per rank over 2W experts:
+// every rank has a slot on the missing rank, but for a chance of about 1e-7.)
 TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
   const uint64_t seed = megamoe_test::fresh_seed();
   SEEDED(seed);
@@ -278,30 +321,45 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
     SCOPED_TRACE(std::string("the peer stops before phase ") + name);
     prepare(tokens, 256, 128, E, k, Routing::kRandom, 0.0, tokens * k * W, seed, 0, kShortNs);
     if (HasFatalFailure()) return;
-    auto* counts = static_cast<int32_t*>(alloc_on(device_of(missing), E * 4));  // zeros
-    auto* peer_error = static_cast<int32_t*>(alloc_on(device_of(missing), 4));
-    {
-      const OnRank on = on_rank(missing);
-      const megamoe::comm::PeerTable& peers = tables_[missing];
-      if (stop != Phase::kCounts) {
-        megamoe::comm::exchange_counts(peers, counts, E, megamoe_test::kLongTimeoutNs,
-                                       peer_error, streams_[missing]);
-      }
-      if (stop == Phase::kCombine) {
-        megamoe::comm::phase_barrier(peers, Phase::kDispatch, megamoe_test::kLongTimeoutNs,
-                                     peer_error, streams_[missing]);
-      }
-    }
+    const int32_t* peer_error = stop_before(stop, missing);
     for (int r = 0; r < W; ++r) {
       if (r != missing) launch_forward(r, false);
     }
     sync_ranks();
-    const std::string expected = "rank " + std::to_string(missing) + " did not arrive in phase '" +
-                                 name + "' within the timeout";
+    expect_timeouts_naming(missing, name);
+    EXPECT_EQ(download<int32_t>(peer_error, 1)[0], 0) << "the others did arrive where the peer waited";
+  }
+}
+
+// The same in the backward: every rank runs a forward, then the last rank stops before a
+// phase of the backward, which the others call with a short timeout. With the epilogue
+// combine, a peer past the dispatch phase that never runs its L1 dgrad is missed where each
+// rank waits for its slots' dx rows: phase 'combine rows'.
+TEST_P(EpEmulated, AMissingPeerInTheBackwardIsATimeoutNamingRankAndPhase) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  const int W = world_, missing = W - 1;
+  const int64_t tokens = epilogue_combine_ ? 64 : 32, E = 2 * W, k = 2;
+  constexpr int64_t kShortNs = 300'000'000;
+  const std::pair<Phase, const char*> stops[] = {
+      {Phase::kCounts, "counts"},
+      {Phase::kDispatch, "dispatch"},
+      {Phase::kCombine, epilogue_combine_ ? "combine rows" : "combine"}};
+  for (const auto& [stop, name] : stops) {
+    SCOPED_TRACE(std::string("the peer stops before the backward's phase ") + name);
+    prepare(tokens, 256, 128, E, k, Routing::kRandom, 0.0, tokens * k * W, seed);
+    if (HasFatalFailure()) return;
+    for (int r = 0; r < W; ++r) launch_forward(r, false);
+    sync_ranks();
+    expect_no_errors("the forward");
+    const int32_t* peer_error = stop_before(stop, missing);
     for (int r = 0; r < W; ++r) {
       if (r == missing) continue;
-      EXPECT_EQ(megamoe::comm::describe_error(error_of(r)), expected) << "rank " << r;
+      ranks_[r].g.timeout_ns = kShortNs;
+      launch_backward(r, false);
     }
+    sync_ranks();
+    expect_timeouts_naming(missing, name);
     EXPECT_EQ(download<int32_t>(peer_error, 1)[0], 0) << "the others did arrive where the peer waited";
   }
 }

@@ -8,7 +8,8 @@
 //     equal to the sums of its per-owner results (ep_layer_test_util.h: a row's FP8 GEMM
 //     results depend only on the row, its 1x128 blocks being its own, so the owner's bf16
 //     partial sum is the only difference from one GPU, as in bf16);
-//   - its own first call: a second call on the same buffers bitwise equal.
+//   - its own first call: a second call on the same buffers bitwise equal;
+// and with ranks of different numbers of tokens, one of them with none.
 // Each rank's FP8 weight copies are its experts' part of what the quantizer makes of the
 // global weights (128 x 128 blocks never cross experts). "fp8" runs twice: with the default
 // dispatch (x quantized on its rank, e4m3 rows and scales moved) and with the bf16 one
@@ -20,6 +21,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -192,9 +194,10 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
     std::vector<void*> fwd_ws(W), bwd_ws(W);
     std::vector<size_t> fwd_bytes(W), bwd_bytes(W);
     for (int r = 0; r < W; ++r) {
-      fwd_bytes[r] = megamoe::ep::forward_workspace_bytes(ranks_[r].g, tokens, I, precision());
-      bwd_bytes[r] = megamoe::ep::backward_workspace_bytes(ranks_[r].g, tokens, I, false, precision());
-      EXPECT_LE(megamoe::ep::backward_workspace_bytes(ranks_[r].g, tokens, I, true, precision()),
+      const int64_t T = rank_tokens_[r];
+      fwd_bytes[r] = megamoe::ep::forward_workspace_bytes(ranks_[r].g, T, I, precision());
+      bwd_bytes[r] = megamoe::ep::backward_workspace_bytes(ranks_[r].g, T, I, false, precision());
+      EXPECT_LE(megamoe::ep::backward_workspace_bytes(ranks_[r].g, T, I, true, precision()),
                 bwd_bytes[r]);
       fwd_ws[r] = alloc_on(device_of(r), fwd_bytes[r]);
       bwd_ws[r] = alloc_on(device_of(r), bwd_bytes[r]);
@@ -203,14 +206,16 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
       for (int r = 0; r < W; ++r) {
         const OnRank on = on_rank(r);
         Rank& rk = ranks_[r];
-        EXPECT_EQ(cudaMemsetAsync(rk.y, 0xFF, tokens * H * 2, streams_[r]), cudaSuccess);
-        megamoe::ep::forward(rk.g, rk.x, rk.ids, false, rk.weights, rank_experts(r), tokens,
-                             rk.y, keep_h ? rk.saved_h : nullptr, fwd_ws[r], fwd_bytes[r],
-                             streams_[r]);
+        const int64_t T = rank_tokens_[r];
+        if (T > 0) {
+          EXPECT_EQ(cudaMemsetAsync(rk.y, 0xFF, T * H * 2, streams_[r]), cudaSuccess);
+        }
+        megamoe::ep::forward(rk.g, rk.x, rk.ids, false, rk.weights, rank_experts(r), T, rk.y,
+                             keep_h ? rk.saved_h : nullptr, fwd_ws[r], fwd_bytes[r], streams_[r]);
       }
       sync_ranks();
       expect_no_errors("forward");
-      return gather<uint16_t>(&Rank::y, tokens * H);
+      return gather_tokens<uint16_t>(&Rank::y, H);
     };
     // Recompute or saved mode; the weight gradients written in bf16, or added into the
     // zeroed fp32 accumulators.
@@ -218,13 +223,16 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
       for (int r = 0; r < W; ++r) {
         const OnRank on = on_rank(r);
         Rank& rk = ranks_[r];
-        EXPECT_EQ(cudaMemsetAsync(rk.dx, 0xFF, tokens * H * 2, streams_[r]), cudaSuccess);
-        EXPECT_EQ(cudaMemsetAsync(rk.dp, 0xFF, tokens * k * 4, streams_[r]), cudaSuccess);
+        const int64_t T = rank_tokens_[r];
+        if (T > 0) {
+          EXPECT_EQ(cudaMemsetAsync(rk.dx, 0xFF, T * H * 2, streams_[r]), cudaSuccess);
+          EXPECT_EQ(cudaMemsetAsync(rk.dp, 0xFF, T * k * 4, streams_[r]), cudaSuccess);
+        }
         EXPECT_EQ(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(rk.dw2, 0xFF, e * H * I * 2, streams_[r]), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(rk.acc1, 0, e * 2 * I * H * 4, streams_[r]), cudaSuccess);
         EXPECT_EQ(cudaMemsetAsync(rk.acc2, 0, e * H * I * 4, streams_[r]), cudaSuccess);
-        megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rank_experts(r), tokens,
+        megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rank_experts(r), T,
                               saved ? rk.saved_h : nullptr, rk.dx, rk.dp,
                               fp32 ? WeightGrad::of(rk.acc1, true) : WeightGrad::of(rk.dw1, false),
                               fp32 ? WeightGrad::of(rk.acc2, true) : WeightGrad::of(rk.dw2, false),
@@ -253,8 +261,8 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
         EXPECT_EQ(forward(true), y) << "the forward that keeps h changed y";
       }
       backward(saved, fp32);
-      const auto dx = gather<uint16_t>(&Rank::dx, tokens * H);
-      const auto dp = gather<float>(&Rank::dp, tokens * k);
+      const auto dx = gather_tokens<uint16_t>(&Rank::dx, H);
+      const auto dp = gather_tokens<float>(&Rank::dp, k);
       const double dx_err = megamoe_test::rel_error(megamoe_test::decode(dx), megamoe_test::decode(fused.dx));
       std::printf("  backward (%s%s) dx vs one GPU %.3e\n", saved ? "saved" : "recompute",
                   fp32 ? ", fp32" : "", dx_err);
@@ -305,6 +313,18 @@ TEST_P(EpFp8Emulated, KIsOne) {
 TEST_P(EpFp8Emulated, EveryTokenOnOneRank) {
   // Ranks other than the last receive nothing; the last receives every row.
   check_fp8(64, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, megamoe_test::fresh_seed());
+}
+
+// Ranks with different numbers of tokens, the first with none (its token tensors null, so
+// nothing of its own to quantize); then the counts reversed and every row on the last rank,
+// which has no tokens.
+TEST_P(EpFp8Emulated, UnevenTokensAndARankWithNone) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  constexpr int64_t kMost = 96;
+  uneven_tokens_ = megamoe_test::uneven_token_counts(world_, kMost);
+  check_fp8(kMost, 256, 128, 16, 4, Routing::kRandom, 0.05, seed);
+  std::reverse(uneven_tokens_.begin(), uneven_tokens_.end());
+  check_fp8(kMost, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, seed + 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EpFp8Emulated,

@@ -2,8 +2,9 @@
 // access: EP=W forward and backward against the EP=1 layer and the one-GPU fused layer on
 // the same global problem, and the forward against the float64 CPU reference
 // (ep_layer_test_util.h says what must match bitwise); a rank that receives nothing, every
-// token on one rank, k = 1, 8 and 16, -1 ids, 128-wide L2 tiles, repeated calls on the same
-// buffers (bitwise equal), a limited number of copy SMs, and the capacity error. Every case
+// token on one rank, ranks with different numbers of tokens (one with none), k = 1, 8 and
+// 16, -1 ids, 128-wide L2 tiles, repeated calls on the same buffers (bitwise equal), a
+// limited number of copy SMs, and the capacity error. Every case
 // runs on each forward path (.../Default, the epilogue combine, where L2's epilogue stores
 // rows into their sources' slots over NVLink, the dispatch beside the own rows' chain with
 // the backward's dx send beside its weight gradients, and both): the default path's bits,
@@ -11,6 +12,7 @@
 // test_ep_emulated.cpp runs the same cases on ranks emulated on one GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "ep_layer_test_util.h"
@@ -41,6 +43,17 @@ TEST_P(EpLayerGpu, MatchesOneGpuLayer) {
 TEST_P(EpLayerGpu, EveryTokenOnOneRank) {
   // Ranks other than the last receive nothing; the last receives every row.
   check(200, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, 200 * 2 * 8, megamoe_test::fresh_seed());
+}
+
+// Ranks with different numbers of tokens, the first with none (its token tensors null); then
+// the counts reversed and every row on the last rank, which has no tokens.
+TEST_P(EpLayerGpu, UnevenTokensAndARankWithNone) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  constexpr int64_t kMost = 300;
+  uneven_tokens_ = megamoe_test::uneven_token_counts(world_, kMost);
+  check(kMost, 256, 128, 16, 4, Routing::kRandom, 0.05, kMost * 4 * 8, seed);
+  std::reverse(uneven_tokens_.begin(), uneven_tokens_.end());
+  check(kMost, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, kMost * 2 * 8, seed + 1);
 }
 
 TEST_P(EpLayerGpu, FewCopySms) {  // num_comm_sms: 3 SMs move every row

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 tests/python/ep_check.py --backend fused [--graph] [--repeats 2000]
     torchrun --nproc-per-node 2 tests/python/ep_check.py --backend fused --precision fp8
 
-Every rank draws the same global problem; rank r takes tokens [r*T, (r+1)*T) and experts
+Every rank draws the same global problem; rank r takes tokens [r*T, (r+1)*T) (in the
+"uneven" cases, a count of its own: none on rank 0, T on the last) and experts
 [r*E/W, (r+1)*E/W). The EP=W result, gathered, is compared with EP=1 on the whole problem
 and both with the float64 reference. Exits non-zero on any failure; prints one line a case.
 """
@@ -39,6 +40,7 @@ def cases(world, on_gpu):
             ("k=1", 33, 32, 16, 8, 1, {}),
             ("rank-receives-nothing", 20, 32, 16, 8, 2, dict(skip_experts=range(8 - 8 // world, 8))),
             ("all-to-one-rank", 17, 32, 16, 8, 1, dict(one_expert=7)),
+            ("uneven-tokens-rank-with-none", 24, 32, 16, 8, 2, dict(uneven=True)),
         ]
     return [
         ("qwen3-30b-a3b", 2048, 2048, 768, 128, 8, dict(invalid_fraction=0.01)),
@@ -47,12 +49,22 @@ def cases(world, on_gpu):
         # rank W-1 owns no expert that any token picks: it receives nothing
         ("rank-receives-nothing", 777, 512, 256, 16, 4, dict(skip_experts=range(16 - 16 // world, 16))),
         ("all-to-one-rank", 500, 512, 256, 16, 1, dict(one_expert=15)),
+        # rank 0 has no tokens (empty tensors) and still computes its experts' rows
+        ("uneven-tokens-rank-with-none", 600, 512, 256, 16, 4, dict(uneven=True)),
     ]
 
 
-def local_slice(p, rank, world, T, E):
+def token_counts(world, T, uneven):
+    """Every rank's tokens: T each, or (uneven) none on rank 0, T on the last, others between."""
+    if not uneven:
+        return [T] * world
+    return [0 if r == 0 else T if r == world - 1 else 1 + (29 * r) % T for r in range(world)]
+
+
+def local_slice(p, rank, world, counts, E):
     E_local = E // world
-    tokens = slice(rank * T, (rank + 1) * T)
+    first = sum(counts[:rank])
+    tokens = slice(first, first + counts[rank])
     experts = slice(rank * E_local, (rank + 1) * E_local)
     out = {n: p[n][tokens] for n in ("x", "topk_ids", "topk_weights", "dy")}
     out["w_gate_up"], out["w_down"] = p["w_gate_up"][experts], p["w_down"][experts]
@@ -67,21 +79,33 @@ def float64_reference(p):
     return ref
 
 
-def gather(t, world, group):
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts)
+def gather(t, world, group, counts=None):
+    """Every rank's t in rank order; counts: each rank's rows of t, when they differ (the
+    parts then travel padded to the largest)."""
+    if counts is None:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+    padded = t.new_zeros((max(counts),) + tuple(t.shape[1:]))
+    padded[:t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
 def run_case(case, rank, world, group, backend, seed, device):
     name, T, H, I, E, k, extra = case
+    extra = dict(extra)
+    counts = token_counts(world, T, extra.pop("uneven", False))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    p = make_problem(T * world, H, I, E, k, dtype=dtype, device=device, seed=seed, **extra)
-    mine = local_slice(p, rank, world, T, E)
+    p = make_problem(sum(counts), H, I, E, k, dtype=dtype, device=device, seed=seed, **extra)
+    mine = local_slice(p, rank, world, counts, E)
     y, grads = run_with_grads(megamoe.moe, mine, group=group, backend=backend)
-    ep = {"y": gather(y, world, group)}
-    ep.update({n: gather(grads[n], world, group) for n in NAMES})
-    result = {"case": name, "tokens_per_rank": T, "ep": world}
+    ep = {"y": gather(y, world, group, counts)}
+    ep.update({n: gather(grads[n], world, group, counts if n in ("x", "topk_weights") else None)
+               for n in NAMES})
+    per_rank = T if len(set(counts)) == 1 else counts
+    result = {"case": name, "tokens_per_rank": per_rank, "ep": world}
     if rank == 0:
         y1, grads1 = run_with_grads(megamoe.moe, p, backend=backend)
         ep1 = {"y": y1, **grads1}
@@ -164,9 +188,11 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph, preci
     with fp32 accumulators (_saved_mode_matches), and, with `graph`, from a CUDA-graph replay
     of forward + backward."""
     name, T, H, I, E, k, extra = case
-    p = make_problem(T * world, H, I, E, k, dtype=torch.bfloat16, device=device, seed=seed,
+    extra = dict(extra)
+    counts = token_counts(world, T, extra.pop("uneven", False))
+    p = make_problem(sum(counts), H, I, E, k, dtype=torch.bfloat16, device=device, seed=seed,
                      **extra)
-    mine = local_slice(p, rank, world, T, E)
+    mine = local_slice(p, rank, world, counts, E)
     buf = megamoe.Buffer(group, T, H, I, E, k)
     first = _fused_step(mine, group, buf, precision)
     same = True
@@ -181,11 +207,14 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph, preci
     torch.cuda.synchronize()
     buf.check()
     buf.close()
-    out = {"y": gather(first[0], world, group), **{n: gather(first[1][n], world, group) for n in NAMES}}
+    out = {"y": gather(first[0], world, group, counts),
+           **{n: gather(first[1][n], world, group,
+                        counts if n in ("x", "topk_weights") else None) for n in NAMES}}
     # Every rank's verdicts, so rank 0 fails if any rank's calls differed.
     flags = torch.tensor([same, graph_same is not False, saved_same], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    result = {"case": name, "tokens_per_rank": T, "ep": world, "backend": "fused",
+    per_rank = T if len(set(counts)) == 1 else counts
+    result = {"case": name, "tokens_per_rank": per_rank, "ep": world, "backend": "fused",
               "precision": precision, "calls": repeats, "same_every_call": bool(flags[0])}
     if graph:
         result["graph_replay_equals_eager"] = bool(flags[1])
