@@ -26,8 +26,8 @@
 #                  comma-separated NAME=1; default: the dispatch overlap, the epilogue combine,
 #                  both, the backward overlap); EP2_SETS_ONLY=1 skips the tests and the EP=1
 #                  and switches-off rows (a later call's sets)
-#   ep2tests       the EP tests of ep2 alone, with the transformers integration's EP check
-#                  and FP8 under the backward overlap
+#   ep2tests       the EP tests of ep2 alone, with the transformers integration's EP check,
+#                  FP8 under the backward overlap and a peer that dies (ep_dead_peer_check.py)
 #   trainep:EP:B:S megamoe-train-bench's config on every GPU of the machine (torchrun), FSDP2,
 #                  parallel.ep EP, backends B (comma-separated), S steps, record
 #                  $TRAIN_NAME-epEP (TRAIN_ARGS: extra arguments)
@@ -108,6 +108,7 @@ ep2_tests() {  # the EP tests on two GPUs
   run ep2-check-overlap.log env MEGAMOE_EP_OVERLAP_DISPATCH=1 MEGAMOE_EP_OVERLAP_BACKWARD=1 \
     "${tr2[@]}" tests/python/ep_check.py --backend fused
   run ep2-hf-check.log "${tr2[@]}" tests/python/hf_ep_check.py --backend fused
+  run ep2-dead-peer.log "${tr2[@]}" tests/python/ep_dead_peer_check.py
 }
 for stage in "$@"; do
   case $stage in

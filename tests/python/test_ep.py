@@ -1,8 +1,9 @@
 """Runs ep_check.py under torchrun: float32 over gloo on the CPU always; when this machine
 has two or more GPUs, the torch backend in bf16 over NCCL and the fused backend over a
 megamoe.Buffer at every precision (with a CUDA-graph replay; "fp8" also with the forward's
-bf16 dispatch, MEGAMOE_EP_FP8_BF16_DISPATCH=1); and ep_one_rank_check.py (the fused EP ops
-at every precision on a one-rank group) on one GPU."""
+bf16 dispatch, MEGAMOE_EP_FP8_BF16_DISPATCH=1), and ep_dead_peer_check.py (a peer that
+exits with no clean-up: a timeout error, not a hang); and ep_one_rank_check.py (the fused EP
+ops at every precision on a one-rank group) on one GPU."""
 
 import os
 import subprocess
@@ -45,6 +46,21 @@ def test_torch_backend_ep2_matches_ep1_on_gpus():
 ], ids=["bf16", "fp8", "fp8_bwd", "fp8-bf16-dispatch"])
 def test_fused_backend_ep2_matches_the_one_gpu_layer(precision, env):
     _run_ep_check("--backend", "fused", "--precision", precision, "--graph", env=env)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two or more CUDA GPUs")
+def test_a_dead_peer_is_a_timeout_error_not_a_hang():
+    # Rank 1 exits with no clean-up after a good call; rank 0's next calls come back within
+    # a few timeouts and raise the error naming rank 1 (ep_dead_peer_check.py).
+    script = Path(__file__).with_name("ep_dead_peer_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    print(proc.stdout[-20000:])
+    print(proc.stderr[-5000:], file=sys.stderr)
+    assert proc.returncode == 0 and "dead peer check: PASSED" in proc.stdout
 
 
 @pytest.mark.gpu
