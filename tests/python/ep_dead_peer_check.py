@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megamoe  # noqa: E402
+import moe_testing  # noqa: E402
 from megamoe.errors import MegaMoEError  # noqa: E402
 from moe_testing import make_problem  # noqa: E402
 
@@ -76,15 +77,14 @@ def main():
     call(mine, group, buf, backward=True)
     buf.check()  # both ranks alive: no error
     dist.barrier(group=group)
-    sys.stdout.flush()
-    if rank == 1:
-        os._exit(0)  # no clean-up: the buffer, the process group and the CUDA context just go
+    if rank == 1:  # exit 0 with no clean-up: the buffer, the group and the CUDA context just go
+        moe_testing.leave(True)
 
     deadline = time.monotonic() + 60
     while not is_gone(pids[1]):
         if time.monotonic() > deadline:
             print("rank 1 did not exit within 60 s", flush=True)
-            os._exit(1)
+            moe_testing.leave(False)
         time.sleep(0.05)
     expected = "rank 1 did not arrive in phase 'counts' within the timeout"
     passed = True
@@ -101,10 +101,7 @@ def main():
         print(f"rank 1 dead, {what}: returned in {seconds:.2f} s; {message} "
               f"({'ok' if ok else 'WRONG'})", flush=True)
     print("dead peer check:", "PASSED" if passed else "FAILED", flush=True)
-    # No teardown: the process group has a dead member, and destroying it could wait on it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if passed else 1)
+    moe_testing.leave(passed)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,21 @@ import pytest
 import torch
 
 
-def _run_ep_check(*extra, env=None):
-    script = Path(__file__).with_name("ep_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(script), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+def _torchrun(script, *extra, ranks=2, env=None, timeout=900, passed="EP check: PASSED"):
+    """Runs tests/python/`script` under torchrun on `ranks` processes; it must exit 0 and
+    print `passed`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--standalone", str(Path(__file__).with_name(script)), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     print(proc.stdout[-20000:])
     print(proc.stderr[-5000:], file=sys.stderr)
-    assert proc.returncode == 0, "EP check failed (see output)"
-    assert "EP check: PASSED" in proc.stdout
+    assert proc.returncode == 0, f"{script} failed (see output)"
+    assert passed in proc.stdout
+
+
+def _run_ep_check(*extra, env=None):
+    _torchrun("ep_check.py", *extra, env=env)
 
 
 def test_torch_backend_ep2_matches_ep1_on_cpu():
@@ -54,23 +59,11 @@ def test_fused_backend_ep2_matches_the_one_gpu_layer(precision, env):
 def test_a_dead_peer_is_a_timeout_error_not_a_hang():
     # Rank 1 exits with no clean-up after a good call; rank 0's next calls come back within
     # a few timeouts and raise the error naming rank 1 (ep_dead_peer_check.py).
-    script = Path(__file__).with_name("ep_dead_peer_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
-    print(proc.stdout[-20000:])
-    print(proc.stderr[-5000:], file=sys.stderr)
-    assert proc.returncode == 0 and "dead peer check: PASSED" in proc.stdout
+    _torchrun("ep_dead_peer_check.py", timeout=300, passed="dead peer check: PASSED")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_ep_ops_on_one_rank_match_the_one_gpu_layer():
     # Every precision through the EP ops on a one-rank group (ep_one_rank_check.py).
-    script = Path(__file__).with_name("ep_one_rank_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-           "--standalone", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
-    print(proc.stdout[-20000:])
-    print(proc.stderr[-5000:], file=sys.stderr)
-    assert proc.returncode == 0 and "EP one-rank check: PASSED" in proc.stdout
+    _torchrun("ep_one_rank_check.py", ranks=1, timeout=600, passed="EP one-rank check: PASSED")
