@@ -1,6 +1,6 @@
 // Steps 6 and 7 of an expert-parallel call (ep_layer.h lists them all): each owner's
 // partial sums sent back to the tokens' ranks, and their sum there; and the poison of a
-// call skipped over capacity.
+// call that failed (skipped over capacity, or a wait timed out).
 #include <algorithm>
 
 #include "comm/ep_phases.h"
@@ -216,10 +216,12 @@ __global__ void __launch_bounds__(kCopyThreads)
   __threadfence_system();
 }
 
-// A skipped call (capacity) must not look like a result.
+// A call that failed must not look like a result: skipped over capacity, or with a wait that
+// timed out (its rows partly missing).
 template <class T>
-__global__ void poison_if_skipped_kernel(T* out, int64_t n, const int32_t* skip) {
-  if (*skip == 0) return;
+__global__ void poison_if_failed_kernel(T* out, int64_t n, const int32_t* skip,
+                                        const int32_t* error) {
+  if (*skip == 0 && *error == 0) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     out[i] = T(__int_as_float(0x7fc00000));
@@ -229,7 +231,7 @@ __global__ void poison_if_skipped_kernel(T* out, int64_t n, const int32_t* skip)
 template <class T>
 void poison(const Call& c, T* out, int64_t n, cudaStream_t stream) {
   if (out == nullptr || n == 0) return;
-  poison_if_skipped_kernel<T><<<c.sms, 256, 0, stream>>>(out, n, c.w.skip);
+  poison_if_failed_kernel<T><<<c.sms, 256, 0, stream>>>(out, n, c.w.skip, c.error);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -295,10 +297,10 @@ void send_slot_dp(const Call& c, const float* dp_rows, cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-void poison_if_skipped(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
+void poison_if_failed(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream) {
   poison(c, out, n, stream);
 }
-void poison_if_skipped(const Call& c, float* out, int64_t n, cudaStream_t stream) {
+void poison_if_failed(const Call& c, float* out, int64_t n, cudaStream_t stream) {
   poison(c, out, n, stream);
 }
 

@@ -332,7 +332,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
       combine_phase(c, stream);
       final_combine(c, y, nullptr, stream);
     }
-    poison_if_skipped(c, y, T * g.hidden, stream);
+    poison_if_failed(c, y, T * g.hidden, stream);
     return;
   }
   const Call c =
@@ -350,7 +350,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
     combine_phase(c, stream);
     final_combine(c, y, nullptr, stream);
   }
-  poison_if_skipped(c, y, T * g.hidden, stream);
+  poison_if_failed(c, y, T * g.hidden, stream);
 }
 
 void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
@@ -449,13 +449,13 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
 
     final_combine(c, dx, d_topk_weights, stream);
   }
-  poison_if_skipped(c, dx, T * H, stream);
-  poison_if_skipped(c, d_topk_weights, T * g.topk, stream);
+  poison_if_failed(c, dx, T * H, stream);
+  poison_if_failed(c, d_topk_weights, T * g.topk, stream);
   const int64_t e_local = c.e_local;
   for (const auto& [grad, n] : {std::pair{d_w_gate_up, e_local * 2 * I * H},
                                 std::pair{d_w_down, e_local * H * I}}) {
-    poison_if_skipped(c, grad.bf16, n, stream);
-    poison_if_skipped(c, grad.f32, n, stream);
+    poison_if_failed(c, grad.bf16, n, stream);
+    poison_if_failed(c, grad.f32, n, stream);
   }
 }
 

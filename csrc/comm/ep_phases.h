@@ -78,9 +78,10 @@ void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64
 // when the call is skipped.
 void send_slot_dp(const Call& c, const float* dp_rows, cudaStream_t stream);
 
-// NaN into out [n] (null: nothing) when the call was skipped over capacity: such a call
-// must not look like a result.
-void poison_if_skipped(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
-void poison_if_skipped(const Call& c, float* out, int64_t n, cudaStream_t stream);
+// NaN into out [n] (null: nothing) when the call failed, skipped over capacity or with this
+// rank's error word set by a wait that timed out: such a call must not look like a result.
+// Stream-ordered after every kernel of the call that can set the error word.
+void poison_if_failed(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
+void poison_if_failed(const Call& c, float* out, int64_t n, cudaStream_t stream);
 
 }  // namespace megamoe::ep

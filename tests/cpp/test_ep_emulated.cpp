@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -61,12 +62,22 @@ class EpEmulated : public megamoe_test::EpLayerTest,
     }
     return peer_error;
   }
-  void expect_timeouts_naming(int missing, const char* phase) {
+  // Every rank but the missing one names it and the phase, and its `output` (y or dx, of
+  // `per_token` elements a token) is all NaN: a failed call must not look like a result.
+  template <class Device>
+  void expect_timeouts_naming(int missing, const char* phase, Device* Rank::*output,
+                              int64_t per_token) {
     const std::string expected = "rank " + std::to_string(missing) + " did not arrive in phase '" +
                                  phase + "' within the timeout";
     for (int r = 0; r < world_; ++r) {
       if (r == missing) continue;
       EXPECT_EQ(megamoe::comm::describe_error(error_of(r)), expected) << "rank " << r;
+      const std::vector<uint16_t> out =
+          download<uint16_t>(ranks_[r].*output, rank_tokens_[r] * per_token);
+      const auto numbers = std::count_if(out.begin(), out.end(), [](uint16_t v) {
+        return !std::isnan(megamoe_test::bf16_value(v));
+      });
+      EXPECT_EQ(numbers, 0) << "rank " << r << ": elements of the failed call's output not NaN";
     }
   }
 };
@@ -326,7 +337,7 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
       if (r != missing) launch_forward(r, false);
     }
     sync_ranks();
-    expect_timeouts_naming(missing, name);
+    expect_timeouts_naming(missing, name, &Rank::y, 256);
     EXPECT_EQ(download<int32_t>(peer_error, 1)[0], 0) << "the others did arrive where the peer waited";
   }
 }
@@ -359,7 +370,7 @@ TEST_P(EpEmulated, AMissingPeerInTheBackwardIsATimeoutNamingRankAndPhase) {
       launch_backward(r, false);
     }
     sync_ranks();
-    expect_timeouts_naming(missing, name);
+    expect_timeouts_naming(missing, name, &Rank::dx, 256);
     EXPECT_EQ(download<int32_t>(peer_error, 1)[0], 0) << "the others did arrive where the peer waited";
   }
 }

@@ -8,7 +8,8 @@ killed process leaves its peers: torchrun tears the job down only on a non-zero 
 rank 0, once rank 1's process is gone, calls the layer twice more, a forward and a forward
 + backward. Each call must come back (its stream synchronizes) within a few timeouts
 instead of hanging, and buffer.check() must then raise the error naming rank 1 and the
-phase 'counts'. Rank 0 prints one line a call and "dead peer check: PASSED" or FAILED.
+phase 'counts', and the call's output (y; dx after the backward) must be all NaN. Rank 0
+prints one line a call and "dead peer check: PASSED" or FAILED.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def is_gone(pid: int) -> bool:
         return True
 
 
-def call(mine, group, buf, backward: bool) -> float:
-    """One call of the layer on this rank; returns its seconds up to the stream's end."""
+def call(mine, group, buf, backward: bool) -> tuple[float, torch.Tensor]:
+    """One call of the layer on this rank: its seconds up to the stream's end, and its last
+    output (y, or with the backward dx)."""
     leaves = {n: mine[n].detach().clone().requires_grad_(backward) for n in NAMES}
     start = time.monotonic()
     y = megamoe.moe(leaves["x"], mine["topk_ids"], leaves["topk_weights"], leaves["w_gate_up"],
@@ -49,7 +51,7 @@ def call(mine, group, buf, backward: bool) -> float:
     if backward:
         y.backward(mine["dy"])
     torch.cuda.synchronize()
-    return time.monotonic() - start
+    return time.monotonic() - start, (leaves["x"].grad if backward else y)
 
 
 def main():
@@ -89,17 +91,19 @@ def main():
     expected = "rank 1 did not arrive in phase 'counts' within the timeout"
     passed = True
     for what, backward in (("forward", False), ("forward + backward", True)):
-        seconds = call(mine, group, buf, backward)
+        seconds, out = call(mine, group, buf, backward)
         try:
             buf.check()
             message = "no error"
         except MegaMoEError as e:
             message = str(e)
         # A dead peer costs a call one timeout: later waits see the error word and go on.
-        ok = expected in message and seconds < 3 * args.timeout_s + 10
+        # The failed call's outputs are NaN.
+        ok = (expected in message and seconds < 3 * args.timeout_s + 10 and
+              bool(torch.isnan(out).all()))
         passed = passed and ok
-        print(f"rank 1 dead, {what}: returned in {seconds:.2f} s; {message} "
-              f"({'ok' if ok else 'WRONG'})", flush=True)
+        print(f"rank 1 dead, {what}: returned in {seconds:.2f} s; {message}; output all NaN: "
+              f"{bool(torch.isnan(out).all())} ({'ok' if ok else 'WRONG'})", flush=True)
     print("dead peer check:", "PASSED" if passed else "FAILED", flush=True)
     moe_testing.leave(passed)
 

@@ -1,5 +1,6 @@
 """The trainer end to end on CPU: the tiny default trains (loss falls) with the reference
-backend, a resumed run continues the same curve, the router runs in fp32 under bf16."""
+backend, a resumed run continues the same curve, the router runs in fp32 under bf16, a
+non-finite loss stops the run (with a failed EP call's error when there is one)."""
 
 import json
 
@@ -280,3 +281,41 @@ def test_compile_dense_compiles_all_but_the_moe_blocks():
     assert eager.keys() == compiled.keys()
     for name, grad in eager.items():
         assert torch.allclose(compiled[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max()), name
+
+
+class _FailedEpBuffer:
+    """Stands in for a megamoe.Buffer whose last call timed out."""
+
+    def check(self):
+        from megamoe.errors import MegaMoEError
+
+        raise MegaMoEError("expert-parallel call failed on rank 0: rank 1 did not arrive in "
+                           "phase 'counts' within the timeout")
+
+
+@pytest.mark.parametrize("failed_ep_call", [False, True])
+def test_a_non_finite_loss_stops_training_and_names_a_failed_ep_call(tmp_path, monkeypatch,
+                                                                     failed_ep_call):
+    # A NaN loss (as a failed EP call's NaN outputs give) stops the run at that step; with
+    # an EP buffer whose last call failed, the error is that call's, not just "not finite".
+    from megamoe.errors import MegaMoEError
+
+    setup_training = trainer._setup_training
+
+    def poisoned(*args, **kwargs):
+        setup = setup_training(*args, **kwargs)
+        step = setup.trainer
+
+        def nan_loss(input_ids, labels):
+            ce, aux = step(input_ids, labels)
+            return ce * float("nan"), aux
+        setup.trainer = nan_loss
+        setup.ep_buffer = _FailedEpBuffer() if failed_ep_call else None
+        return setup
+
+    monkeypatch.setattr(trainer, "_setup_training", poisoned)
+    expected = (MegaMoEError, "rank 1 did not arrive") if failed_ep_call else (
+        FloatingPointError, "step 1: loss nan")
+    with pytest.raises(expected[0], match=expected[1]):
+        main(["default-cpu", "--train.steps", "3", "--log.dir", str(tmp_path / "log"),
+              "--log.plot", "false"])

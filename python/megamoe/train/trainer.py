@@ -268,6 +268,7 @@ class Setup:
     masters: MasterWeights | None = None         # one rank without FSDP2
     start_step: int = 0
     resumed_from: str | None = None
+    ep_buffer: object = None  # megamoe.Buffer of the mega_moe experts under EP
 
 
 def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
@@ -349,7 +350,7 @@ def _setup_training(config: Config, state: Run, sequences, say) -> Setup:
     setup = Setup(model=model, trainer=trainer, optimizer=optimizer, scheduler=scheduler,
                   loader=loader, checkpointer=checkpointer, dispatch=dispatch,
                   counts=model_mod.count_parameters(model), aux_coef=aux_coef,
-                  params=params, masters=masters)
+                  params=params, masters=masters, ep_buffer=buffer)
     _maybe_resume(config, setup, root, say)
     return setup
 
@@ -460,6 +461,10 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
                     print(metrics.format_line(record, config.train.steps,
                                               "GPU" if cuda else "rank"), flush=True)
             if not all(map(_finite, (record["loss"], record["aux_loss"], norm))):
+                if setup.ep_buffer is not None:
+                    # A failed EP call (a peer's timeout, the receive capacity) leaves NaN
+                    # outputs; when the step's last call failed, say why.
+                    setup.ep_buffer.check()
                 raise FloatingPointError(f"step {step}: loss {record['loss']}, aux "
                                          f"{record['aux_loss']}, grad norm {norm} is not finite")
             interval = config.checkpoint.interval
