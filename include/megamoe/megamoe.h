@@ -321,9 +321,11 @@ MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_g
 /* Offset in this rank's buffer of its int32 error word: 0 after a call that went well,
  * else a code for megamoe_ep_describe_error (a peer that did not arrive within the timeout,
  * naming rank and phase; or a receive capacity that would have been exceeded, in which
- * case no row was sent). After either, every output of the call on this rank is NaN (the
- * gradients and fp32 accumulators of a backward included), so that a failed call never
- * looks like a result. Read it after the stream has reached the call. */
+ * case no row was sent). After either, the call's outputs on this rank are NaN (y; dx,
+ * d_topk_weights and the weight gradients or their fp32 accumulators; a saved h is not),
+ * so that a failed call never looks like a result. After a timeout a late peer may still
+ * store into the buffers: make new ones, on every rank, before trusting a later call.
+ * Read the word after the stream has reached the call. */
 MEGAMOE_API megamoe_status megamoe_ep_error_offset(const megamoe_ep_group* group, size_t* offset);
 MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message, size_t size);
 

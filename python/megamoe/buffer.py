@@ -105,8 +105,9 @@ class Buffer:
 
     def check(self) -> None:
         """Raises MegaMoEError if the last call on this buffer failed on this rank (a peer
-        that did not arrive, or the receive capacity); that call's outputs are NaN. Waits
-        for the current stream."""
+        that did not arrive, or the receive capacity); that call's outputs are NaN. After a
+        timeout a late peer may still write into the buffer: make a new one on every rank
+        before going on. Waits for the current stream."""
         code = int(self._memory[self._error_offset:self._error_offset + 4].view(torch.int32).item())
         if code:
             message = ctypes.create_string_buffer(256)

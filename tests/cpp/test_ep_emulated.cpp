@@ -62,22 +62,41 @@ class EpEmulated : public megamoe_test::EpLayerTest,
     }
     return peer_error;
   }
-  // Every rank but the missing one names it and the phase, and its `output` (y or dx, of
-  // `per_token` elements a token) is all NaN: a failed call must not look like a result.
+  // Elements of rank r's output [n] (bf16 or fp32) that are not NaN.
   template <class Device>
-  void expect_timeouts_naming(int missing, const char* phase, Device* Rank::*output,
-                              int64_t per_token) {
+  int64_t numbers_in(int r, Device* Rank::*output, int64_t n) {
+    if constexpr (sizeof(Device) == 2) {
+      const std::vector<uint16_t> out = download<uint16_t>(ranks_[r].*output, n);
+      return std::count_if(out.begin(), out.end(), [](uint16_t v) {
+        return !std::isnan(megamoe_test::bf16_value(v));
+      });
+    } else {
+      const std::vector<float> out = download<float>(ranks_[r].*output, n);
+      return std::count_if(out.begin(), out.end(), [](float v) { return !std::isnan(v); });
+    }
+  }
+  // Every rank but the missing one names it and the phase, and the failed call's outputs on
+  // it (the forward's y; the backward's dx, d topk_weights and bf16 weight gradients) are
+  // all NaN: a failed call must not look like a result.
+  void expect_timeouts_naming(int missing, const char* phase, bool backward) {
     const std::string expected = "rank " + std::to_string(missing) + " did not arrive in phase '" +
                                  phase + "' within the timeout";
+    const int64_t H = this->H(), I = this->I(), e = e_local_;
     for (int r = 0; r < world_; ++r) {
       if (r == missing) continue;
       EXPECT_EQ(megamoe::comm::describe_error(error_of(r)), expected) << "rank " << r;
-      const std::vector<uint16_t> out =
-          download<uint16_t>(ranks_[r].*output, rank_tokens_[r] * per_token);
-      const auto numbers = std::count_if(out.begin(), out.end(), [](uint16_t v) {
-        return !std::isnan(megamoe_test::bf16_value(v));
-      });
-      EXPECT_EQ(numbers, 0) << "rank " << r << ": elements of the failed call's output not NaN";
+      const int64_t T = rank_tokens_[r];
+      if (!backward) {
+        EXPECT_EQ(numbers_in(r, &Rank::y, T * H), 0) << "rank " << r << ": y not all NaN";
+        continue;
+      }
+      EXPECT_EQ(numbers_in(r, &Rank::dx, T * H), 0) << "rank " << r << ": dx not all NaN";
+      EXPECT_EQ(numbers_in(r, &Rank::dp, T * k()), 0)
+          << "rank " << r << ": d topk_weights not all NaN";
+      EXPECT_EQ(numbers_in(r, &Rank::dw1, e * 2 * I * H), 0)
+          << "rank " << r << ": d w_gate_up not all NaN";
+      EXPECT_EQ(numbers_in(r, &Rank::dw2, e * H * I), 0)
+          << "rank " << r << ": d w_down not all NaN";
     }
   }
 };
@@ -337,7 +356,7 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
       if (r != missing) launch_forward(r, false);
     }
     sync_ranks();
-    expect_timeouts_naming(missing, name, &Rank::y, 256);
+    expect_timeouts_naming(missing, name, /*backward=*/false);
     EXPECT_EQ(download<int32_t>(peer_error, 1)[0], 0) << "the others did arrive where the peer waited";
   }
 }
@@ -366,11 +385,19 @@ TEST_P(EpEmulated, AMissingPeerInTheBackwardIsATimeoutNamingRankAndPhase) {
     const int32_t* peer_error = stop_before(stop, missing);
     for (int r = 0; r < W; ++r) {
       if (r == missing) continue;
-      ranks_[r].g.timeout_ns = kShortNs;
-      launch_backward(r, false);
+      // Not launch_backward, which fills the outputs with NaN first: here they hold zeros
+      // from their allocation, so only the failed call's poison can make them NaN.
+      const OnRank on = on_rank(r);
+      Rank& rk = ranks_[r];
+      rk.g.timeout_ns = kShortNs;
+      using megamoe::chain::WeightGrad;
+      megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rk.w1, rk.w2,
+                            rank_tokens_[r], I(), nullptr, rk.dx, rk.dp,
+                            WeightGrad::of(rk.dw1, false), WeightGrad::of(rk.dw2, false),
+                            rk.bwd_workspace, rk.bwd_workspace_size, streams_[r]);
     }
     sync_ranks();
-    expect_timeouts_naming(missing, name, &Rank::dx, 256);
+    expect_timeouts_naming(missing, name, /*backward=*/true);
     EXPECT_EQ(download<int32_t>(peer_error, 1)[0], 0) << "the others did arrive where the peer waited";
   }
 }

@@ -6,6 +6,7 @@ exits with no clean-up: a timeout error, not a hang); and ep_one_rank_check.py (
 ops at every precision on a one-rank group) on one GPU."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +17,27 @@ import torch
 
 def _torchrun(script, *extra, ranks=2, env=None, timeout=900, passed="EP check: PASSED"):
     """Runs tests/python/`script` under torchrun on `ranks` processes; it must exit 0 and
-    print `passed`."""
+    print `passed` within `timeout` seconds. Past it, torchrun gets SIGTERM, which it passes
+    to its workers (each runs in a session of its own, out of reach of a kill of torchrun
+    alone), and what they printed is shown."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--standalone", str(Path(__file__).with_name(script)), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    print(proc.stdout[-20000:])
-    print(proc.stderr[-5000:], file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        err += f"\n{script}: no result within {timeout} s (a hang?)"
+    print(out[-20000:])
+    print(err[-5000:], file=sys.stderr)
     assert proc.returncode == 0, f"{script} failed (see output)"
-    assert passed in proc.stdout
+    assert passed in out
 
 
 def _run_ep_check(*extra, env=None):
@@ -58,7 +71,7 @@ def test_fused_backend_ep2_matches_the_one_gpu_layer(precision, env):
                     reason="needs two or more CUDA GPUs")
 def test_a_dead_peer_is_a_timeout_error_not_a_hang():
     # Rank 1 exits with no clean-up after a good call; rank 0's next calls come back within
-    # a few timeouts and raise the error naming rank 1 (ep_dead_peer_check.py).
+    # one timeout per phase and raise the error naming rank 1 (ep_dead_peer_check.py).
     _torchrun("ep_dead_peer_check.py", timeout=300, passed="dead peer check: PASSED")
 
 
