@@ -50,8 +50,19 @@ __device__ __forceinline__ uint32_t next_generation(const PeerTable& peers, Phas
   return generation;
 }
 
+// Whether the error word holds a peer's timeout from earlier in this call (not the
+// capacity verdict, after which the ranks keep meeting in every phase: that call is
+// skipped alike everywhere, and the next one needs the generations in step).
+__device__ __forceinline__ bool timed_out(const int32_t* error) {
+  const int32_t code = *reinterpret_cast<const volatile int32_t*>(error);
+  return code != 0 && (code >> 8) != int(Phase::kCapacity) + 1;
+}
+
 // One block. Signals this phase's arrival on every rank (after this block's earlier writes
-// to them), then waits for every rank's arrival here. Returns false on timeout.
+// to them), then waits for every rank's arrival here. Returns false on timeout. After a
+// timeout in this call (this phase's or an earlier one's) it signals but does not wait: the
+// call has failed (its outputs become NaN and the buffers are to be made anew), so a dead
+// peer costs a call one timeout, not one per phase.
 __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase phase, uint32_t generation,
                                 int64_t timeout_ns, int32_t* error) {
   __shared__ int failed;
@@ -66,6 +77,10 @@ __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase ph
     const uint64_t start = global_time_ns();
     // Generations only grow; a signal from a later call means this one's arrived too.
     while (static_cast<int32_t>(load_acquire_sys(arrived) - generation) < 0) {
+      if (timed_out(error)) {  // an earlier phase's, or another lane's here
+        failed = 1;
+        break;
+      }
       if (global_time_ns() - start > static_cast<uint64_t>(timeout_ns)) {
         atomicCAS(error, 0, error_code(phase, threadIdx.x));
         failed = 1;
