@@ -143,7 +143,9 @@ __global__ void __launch_bounds__(kCopyThreads)
       const bool give_up = *error_word != 0 || comm::global_time_ns() - start >
                                                    static_cast<uint64_t>(timeout_ns);
       if (__any_sync(0xffffffffu, give_up)) {
-        if (!complete) atomicCAS(error, 0, comm::error_code(comm::Phase::kCombineRows, owner));
+        if (!complete) {
+          comm::record_failure(error, comm::error_code(comm::Phase::kCombineRows, owner));
+        }
         break;
       }
       // Fewer polls while the rows are in flight: the owners' GEMMs share this memory (and,

@@ -42,7 +42,7 @@ BufferLayout buffer_layout(const Group& g) {
   const int64_t tokens = W * g.max_tokens;  // received tokens: one section per source
   const auto bf16 = sizeof(__nv_bfloat16), i32 = sizeof(int32_t), f32 = sizeof(float);
   b.control = c.take_bytes(comm::ControlLayout::bytes(g.num_experts));
-  b.error = c.take_bytes(i32);
+  b.error = c.take_bytes(2 * i32);
   b.recv_x = c.take_bytes(tokens * H * bf16);
   // The e4m3 rows' W T H bytes are a multiple of 128: the scales start aligned.
   b.recv_x_scales = b.recv_x + static_cast<size_t>(tokens * H);

@@ -83,7 +83,8 @@ struct BufferLayout {
   int32_t epilogue_combine;
   int32_t hidden, topk, max_tokens;
   size_t control;            // comm::ControlLayout, at offset 0 where peer_exchange has it
-  size_t error;              // int32: 0, or a comm::describe_error code of this rank's last call
+  size_t error;              // int32 [2]: [0] 0, or a comm::describe_error code of this rank's
+                             // last call; [1] the first such code since it was last zeroed
   size_t total;
 };
 BufferLayout buffer_layout(const Group& g);  // checks the group

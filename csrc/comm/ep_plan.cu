@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(1024)
     int64_t rows = 0;
     for (int e = 0; e < experts_per_rank; ++e) rows += totals[threadIdx.x * experts_per_rank + e];
     if (rows > capacity) {
-      atomicCAS(error, 0, comm::error_code(comm::Phase::kCapacity, threadIdx.x));
+      comm::record_failure(error, comm::error_code(comm::Phase::kCapacity, threadIdx.x));
       over_capacity = 1;
     }
   }

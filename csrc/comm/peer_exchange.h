@@ -66,8 +66,9 @@ static_assert(ControlLayout::kCounts - ControlLayout::kSignal >=
 // Writes this rank's counts [E] into row `rank` of every rank's counts matrix of this
 // exchange, signals, and waits until every rank's row has arrived in its own: afterwards
 // ControlLayout::counts(own buffer, E, generation[kCounts]) holds every rank's counts. Collective: every rank of the table must
-// call it, in the same order as its other exchanges. error: device int32, written 0, or a
-// code (describe_error) when a peer did not arrive in time.
+// call it, in the same order as its other exchanges. error: device int32 [2]: [0] written 0,
+// then a code (describe_error) when a peer did not arrive in time; [1] the first such code
+// since it was last zeroed (the caller zeroes it; a code there stays).
 void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_t num_experts,
                      int64_t timeout_ns, int32_t* error, cudaStream_t stream);
 

@@ -50,6 +50,13 @@ __device__ __forceinline__ uint32_t next_generation(const PeerTable& peers, Phas
   return generation;
 }
 
+// A failure's code into the error words (peer_exchange.h): [0], this call's, and [1], the
+// first since [1] was last zeroed; an earlier code in either stays.
+__device__ __forceinline__ void record_failure(int32_t* error, int32_t code) {
+  atomicCAS(error, 0, code);
+  atomicCAS(error + 1, 0, code);
+}
+
 // Whether the error word holds a peer's timeout from earlier in this call (not the
 // capacity verdict, after which the ranks keep meeting in every phase: that call is
 // skipped alike everywhere, and the next one needs the generations in step).
@@ -82,7 +89,7 @@ __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase ph
         break;
       }
       if (global_time_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-        atomicCAS(error, 0, error_code(phase, threadIdx.x));
+        record_failure(error, error_code(phase, threadIdx.x));
         failed = 1;
         break;
       }

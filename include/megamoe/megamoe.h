@@ -321,7 +321,9 @@ MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_g
 /* Offset in this rank's buffer of its int32 error word: 0 after a call that went well,
  * else a code for megamoe_ep_describe_error (a peer that did not arrive within the timeout,
  * naming rank and phase; or a receive capacity that would have been exceeded, in which
- * case no row was sent). After either, the call's outputs on this rank are NaN (y; dx,
+ * case no row was sent). The int32 after it holds the first such code since it was last
+ * zeroed (no call zeroes it; it starts at 0 with the buffer): after many calls, such as a
+ * model's layers, it names the first that failed even when later ones went well. After either, the call's outputs on this rank are NaN (y; dx,
  * d_topk_weights and the weight gradients or their fp32 accumulators; a saved h is not),
  * so that a failed call never looks like a result. After a timeout a late peer may still
  * store into the buffers: make new ones, on every rank, before trusting a later call.

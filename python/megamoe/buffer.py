@@ -104,11 +104,16 @@ class Buffer:
         _BUFFERS[self.id] = self
 
     def check(self) -> None:
-        """Raises MegaMoEError if the last call on this buffer failed on this rank (a peer
-        that did not arrive, or the receive capacity); that call's outputs are NaN. After a
+        """Raises MegaMoEError if a call on this buffer failed on this rank since the last
+        check (a peer that did not arrive, or the receive capacity), naming the first such
+        failure, or if the last call failed; a failed call's outputs are NaN. After a
         timeout a late peer may still write into the buffer: make a new one on every rank
         before going on. Waits for the current stream."""
-        code = int(self._memory[self._error_offset:self._error_offset + 4].view(torch.int32).item())
+        words = self._memory[self._error_offset:self._error_offset + 8].view(torch.int32)
+        last, first = (int(v) for v in words.tolist())
+        if first:
+            words[1].zero_()  # the next check names the next failure
+        code = first or last
         if code:
             message = ctypes.create_string_buffer(256)
             _lib.call("megamoe_ep_describe_error", code, message, 256)

@@ -312,6 +312,13 @@ class EpLayerTest : public RanksTest {
               cudaSuccess);
     return code;
   }
+  // Rank r's two error words (its stream synced): its last call's code and the first
+  // failure's since the buffer was made.
+  std::vector<int32_t> error_words(int r) {
+    EXPECT_EQ(cudaSetDevice(device_of(r)), cudaSuccess);
+    return download<int32_t>(tables_[r].buffers[r] + megamoe::ep::buffer_layout(ranks_[r].g).error,
+                             2);
+  }
   void expect_no_errors(const std::string& what) {
     for (int r = 0; r < world_; ++r) {
       const int32_t code = error_of(r);

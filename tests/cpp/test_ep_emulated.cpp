@@ -3,9 +3,10 @@
 // without a GPU). The cases of test_ep_layer.cpp, forward and both backward modes, bitwise
 // against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back forwards and
 // 40 back-to-back forward + backward pairs on the same buffers, alternating two routings;
-// ranks with different numbers of tokens, one with none; and a peer that stops calling
-// before each phase of the forward or the backward:
-// every other rank's error names it and the phase, after the timeout, instead of a hang.
+// ranks with different numbers of tokens, one with none; the first failure's error word
+// after a good call; and a peer that stops calling before each phase of the forward or the
+// backward: every other rank's error names it and the phase, after the timeout, instead of
+// a hang, and its outputs are NaN.
 // Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"): the
 // default one (.../EP2, .../EP8); the epilogue combine, where L2's epilogue stores each row
 // into its source's slot and the source folds them there as the one-GPU layer does, the
@@ -85,6 +86,8 @@ class EpEmulated : public megamoe_test::EpLayerTest,
     for (int r = 0; r < world_; ++r) {
       if (r == missing) continue;
       EXPECT_EQ(megamoe::comm::describe_error(error_of(r)), expected) << "rank " << r;
+      const std::vector<int32_t> words = error_words(r);
+      EXPECT_EQ(words[1], words[0]) << "rank " << r << ": the first failure's word";
       const int64_t T = rank_tokens_[r];
       if (!backward) {
         EXPECT_EQ(numbers_in(r, &Rank::y, T * H), 0) << "rank " << r << ": y not all NaN";
@@ -197,6 +200,30 @@ TEST_P(EpEmulated, FewCopySms) {  // num_comm_sms: 3 SMs move every row
 TEST_P(EpEmulated, OverCapacityIsAnErrorAndNaNs) {
   check(64, 256, 128, 8, 2, Routing::kAllOnLastRank, 0.0, 64, megamoe_test::fresh_seed(),
         /*expect_capacity=*/true);
+}
+
+// An over-capacity call, then a good one on the same buffers (every id -1: nothing to
+// receive): the last call's error word is 0 again, the first failure's word still names
+// the capacity (what Buffer.check() reports after a model's many calls).
+TEST_P(EpEmulated, TheFirstFailureOutlastsAGoodCall) {
+  const int W = world_;
+  const int64_t tokens = 64, k = 2;
+  prepare(tokens, 256, 128, 8, k, Routing::kAllOnLastRank, 0.0, 64, megamoe_test::fresh_seed());
+  if (HasFatalFailure()) return;
+  std::vector<const int32_t*> no_ids(W);
+  for (int r = 0; r < W; ++r) {
+    no_ids[r] = upload_on(device_of(r), std::vector<int32_t>(tokens * k, -1));
+  }
+  for (int r = 0; r < W; ++r) launch_forward(r, false);
+  sync_ranks();
+  for (int r = 0; r < W; ++r) launch_forward(r, false, no_ids[r]);
+  sync_ranks();
+  for (int r = 0; r < W; ++r) {
+    const std::vector<int32_t> words = error_words(r);
+    EXPECT_EQ(words[0], 0) << "rank " << r << ": " << megamoe::comm::describe_error(words[0]);
+    EXPECT_NE(megamoe::comm::describe_error(words[1]).find("capacity"), std::string::npos)
+        << "rank " << r << ": " << megamoe::comm::describe_error(words[1]);
+  }
 }
 
 // Each token's experts shifted alike (still distinct), by an amount that varies by token.

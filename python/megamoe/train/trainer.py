@@ -460,11 +460,11 @@ def _train_loop(config: Config, state: Run, setup: Setup, say, command: str, par
                 if step % config.log.interval == 0 or step == config.train.steps:
                     print(metrics.format_line(record, config.train.steps,
                                               "GPU" if cuda else "rank"), flush=True)
+            if setup.ep_buffer is not None:
+                # A failed EP call of the step (a peer's timeout, the receive capacity) left
+                # NaN outputs: stop with its error, which names the rank and the phase.
+                setup.ep_buffer.check()
             if not all(map(_finite, (record["loss"], record["aux_loss"], norm))):
-                if setup.ep_buffer is not None:
-                    # A failed EP call (a peer's timeout, the receive capacity) leaves NaN
-                    # outputs; when the step's last call failed, say why.
-                    setup.ep_buffer.check()
                 raise FloatingPointError(f"step {step}: loss {record['loss']}, aux "
                                          f"{record['aux_loss']}, grad norm {norm} is not finite")
             interval = config.checkpoint.interval
