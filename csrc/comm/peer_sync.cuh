@@ -51,25 +51,15 @@ __device__ __forceinline__ uint32_t next_generation(const PeerTable& peers, Phas
 }
 
 // A failure's code into the error words (peer_exchange.h): [0], this call's, and [1], the
-// first since [1] was last zeroed; an earlier code in either stays.
+// first since [1] was last zeroed. An earlier code in either stays, and [1] takes what [0]
+// holds, so that the two agree when codes race.
 __device__ __forceinline__ void record_failure(int32_t* error, int32_t code) {
-  atomicCAS(error, 0, code);
-  atomicCAS(error + 1, 0, code);
-}
-
-// Whether the error word holds a peer's timeout from earlier in this call (not the
-// capacity verdict, after which the ranks keep meeting in every phase: that call is
-// skipped alike everywhere, and the next one needs the generations in step).
-__device__ __forceinline__ bool timed_out(const int32_t* error) {
-  const int32_t code = *reinterpret_cast<const volatile int32_t*>(error);
-  return code != 0 && (code >> 8) != int(Phase::kCapacity) + 1;
+  const int32_t earlier = atomicCAS(error, 0, code);
+  atomicCAS(error + 1, 0, earlier != 0 ? earlier : code);
 }
 
 // One block. Signals this phase's arrival on every rank (after this block's earlier writes
-// to them), then waits for every rank's arrival here. Returns false on timeout. After a
-// timeout in this call (this phase's or an earlier one's) it signals but does not wait: the
-// call has failed (its outputs become NaN and the buffers are to be made anew), so a dead
-// peer costs a call one timeout, not one per phase.
+// to them), then waits for every rank's arrival here. Returns false on timeout.
 __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase phase, uint32_t generation,
                                 int64_t timeout_ns, int32_t* error) {
   __shared__ int failed;
@@ -84,10 +74,6 @@ __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase ph
     const uint64_t start = global_time_ns();
     // Generations only grow; a signal from a later call means this one's arrived too.
     while (static_cast<int32_t>(load_acquire_sys(arrived) - generation) < 0) {
-      if (timed_out(error)) {  // an earlier phase's, or another lane's here
-        failed = 1;
-        break;
-      }
       if (global_time_ns() - start > static_cast<uint64_t>(timeout_ns)) {
         record_failure(error, error_code(phase, threadIdx.x));
         failed = 1;

@@ -71,7 +71,7 @@ def test_fused_backend_ep2_matches_the_one_gpu_layer(precision, env):
                     reason="needs two or more CUDA GPUs")
 def test_a_dead_peer_is_a_timeout_error_not_a_hang():
     # Rank 1 exits with no clean-up after a good call; rank 0's next calls come back within
-    # about one timeout per call and raise the error naming rank 1 (ep_dead_peer_check.py).
+    # one timeout per phase and raise the error naming rank 1 (ep_dead_peer_check.py).
     _torchrun("ep_dead_peer_check.py", timeout=300, passed="dead peer check: PASSED")
 
 
