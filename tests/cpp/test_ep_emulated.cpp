@@ -50,7 +50,7 @@ class EpEmulated : public megamoe_test::EpLayerTest,
   int32_t* stop_before(Phase stop, int missing) {
     const int64_t E = group_.num_experts;
     auto* counts = static_cast<int32_t*>(alloc_on(device_of(missing), E * 4));  // zeros
-    auto* peer_error = static_cast<int32_t*>(alloc_on(device_of(missing), 4));
+    auto* peer_error = static_cast<int32_t*>(alloc_on(device_of(missing), 8));  // int32 [2]
     const OnRank on = on_rank(missing);
     const megamoe::comm::PeerTable& peers = tables_[missing];
     if (stop != Phase::kCounts) {
@@ -203,8 +203,9 @@ TEST_P(EpEmulated, OverCapacityIsAnErrorAndNaNs) {
 }
 
 // An over-capacity call, then a good one on the same buffers (every id -1: nothing to
-// receive): the last call's error word is 0 again, the first failure's word still names
-// the capacity (what Buffer.check() reports after a model's many calls).
+// receive, y all zeros): the last call's error word is 0 again and its y is not poisoned,
+// the first failure's word still names the capacity (what Buffer.check() reports after a
+// model's many calls).
 TEST_P(EpEmulated, TheFirstFailureOutlastsAGoodCall) {
   const int W = world_;
   const int64_t tokens = 64, k = 2;
@@ -218,6 +219,9 @@ TEST_P(EpEmulated, TheFirstFailureOutlastsAGoodCall) {
   sync_ranks();
   for (int r = 0; r < W; ++r) launch_forward(r, false, no_ids[r]);
   sync_ranks();
+  const std::vector<uint16_t> y = gather_tokens<uint16_t>(&Rank::y, H());
+  EXPECT_EQ(std::count(y.begin(), y.end(), uint16_t{0}), int64_t(y.size()))
+      << "the good call's y is not all +0";
   for (int r = 0; r < W; ++r) {
     const std::vector<int32_t> words = error_words(r);
     EXPECT_EQ(words[0], 0) << "rank " << r << ": " << megamoe::comm::describe_error(words[0]);

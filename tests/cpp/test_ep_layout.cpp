@@ -90,7 +90,7 @@ TEST(EpLayout, BufferAreasAreDisjointAndSized) {
       areas.add(name, reinterpret_cast<const void*>(offset + 1), bytes);
     };
     area("control", b.control, megamoe::comm::ControlLayout::bytes(s.E));
-    area("error", b.error, 4);
+    area("error", b.error, 8);  // int32 [2]: the last call's, the first failure's
     area("recv_x", b.recv_x, tokens * s.H * 2);
     area("recv_dy", b.recv_dy, tokens * s.H * 2);
     area("recv_token_count", b.recv_token_count, megamoe::comm::kMaxRanks * 4);

@@ -26,7 +26,7 @@ TEST_F(PeerExchangeGpu, EveryRankGetsEveryRanksCounts) {
   std::vector<int32_t*> counts(world_), errors(world_);
   for (int r = 0; r < world_; ++r) {
     counts[r] = static_cast<int32_t*>(alloc_on(r, E * sizeof(int32_t)));
-    errors[r] = static_cast<int32_t*>(alloc_on(r, sizeof(int32_t)));
+    errors[r] = static_cast<int32_t*>(alloc_on(r, 2 * sizeof(int32_t)));  // peer_exchange.h
   }
   std::mt19937 rng(megamoe_test::fresh_seed());
   // Several calls on the same buffers: the generation counters stand in for any reset.
@@ -70,7 +70,7 @@ TEST_F(PeerExchangeGpu, AMissingPeerIsATimeoutErrorNotAHang) {
   const int64_t E = 16;
   std::vector<PeerTable> tables = make_group(E);
   int32_t* counts = static_cast<int32_t*>(alloc_on(0, E * sizeof(int32_t)));
-  int32_t* error = static_cast<int32_t*>(alloc_on(0, sizeof(int32_t)));
+  int32_t* error = static_cast<int32_t*>(alloc_on(0, 2 * sizeof(int32_t)));  // peer_exchange.h
   CUDA_OK(cudaSetDevice(0));
   // Only rank 0 calls; every other rank stays away.
   megamoe::comm::exchange_counts(tables[0], counts, E, 20'000'000, error, streams_[0]);
