@@ -257,16 +257,19 @@ class EpLayerTest : public RanksTest {
                          rk.workspace, rk.workspace_size, streams_[r]);
   }
 
-  // Rank r's backward: recompute mode into bf16 dw1, dw2 (poisoned first), or saved mode
-  // added into acc1, acc2 (zeroed first).
-  void launch_backward(int r, bool saved) {
+  // Rank r's backward: recompute mode into bf16 dw1, dw2 (dx and dw1 poisoned first unless
+  // !nan_first, which leaves the outputs as they are), or saved mode added into acc1, acc2
+  // (zeroed first).
+  void launch_backward(int r, bool saved, bool nan_first = true) {
     const OnRank on = on_rank(r);
     Rank& rk = ranks_[r];
     const int64_t e = e_local_, H = this->H(), I = this->I();
-    if (rk.dx) {
-      CUDA_OK(cudaMemsetAsync(rk.dx, 0xFF, rank_tokens_[r] * H * 2, streams_[r]));
+    if (nan_first) {
+      if (rk.dx) {
+        CUDA_OK(cudaMemsetAsync(rk.dx, 0xFF, rank_tokens_[r] * H * 2, streams_[r]));
+      }
+      CUDA_OK(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]));
     }
-    CUDA_OK(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]));
     CUDA_OK(cudaMemsetAsync(rk.acc1, 0, e * 2 * I * H * 4, streams_[r]));
     CUDA_OK(cudaMemsetAsync(rk.acc2, 0, e * H * I * 4, streams_[r]));
     using megamoe::chain::WeightGrad;
@@ -285,14 +288,7 @@ class EpLayerTest : public RanksTest {
   }
 
   // Rank r's error word after its last call (its stream synced).
-  int32_t error_of(int r) {
-    int32_t code = -1;
-    EXPECT_EQ(cudaSetDevice(device_of(r)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(&code, tables_[r].buffers[r] + megamoe::ep::buffer_layout(ranks_[r].g).error,
-                         4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    return code;
-  }
+  int32_t error_of(int r) { return error_words(r)[0]; }
   // Rank r's two error words (its stream synced): its last call's code and the first
   // failure's since the buffer was made.
   std::vector<int32_t> error_words(int r) {
