@@ -416,16 +416,10 @@ TEST_P(EpEmulated, AMissingPeerInTheBackwardIsATimeoutNamingRankAndPhase) {
     const int32_t* peer_error = stop_before(stop, missing);
     for (int r = 0; r < W; ++r) {
       if (r == missing) continue;
-      // Not launch_backward, which fills the outputs with NaN first: here they hold zeros
-      // from their allocation, so only the failed call's poison can make them NaN.
-      const OnRank on = on_rank(r);
-      Rank& rk = ranks_[r];
-      rk.g.timeout_ns = kShortNs;
-      using megamoe::chain::WeightGrad;
-      megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rk.w1, rk.w2,
-                            rank_tokens_[r], I(), nullptr, rk.dx, rk.dp,
-                            WeightGrad::of(rk.dw1, false), WeightGrad::of(rk.dw2, false),
-                            rk.bwd_workspace, rk.bwd_workspace_size, streams_[r]);
+      ranks_[r].g.timeout_ns = kShortNs;
+      // No NaN fill: the outputs hold zeros from their allocation, so only the failed
+      // call's poison can make them NaN.
+      launch_backward(r, false, nullptr, nullptr, nullptr, /*nan_first=*/false);
     }
     sync_ranks();
     expect_timeouts_naming(missing, name, /*backward=*/true);

@@ -61,6 +61,16 @@ def token_counts(world, T, uneven):
     return [0 if r == 0 else T if r == world - 1 else 1 + (29 * r) % T for r in range(world)]
 
 
+def draw(case, rank, world, device, seed, dtype):
+    """The case's global problem (every rank draws the same), this rank's part of it and
+    every rank's token count."""
+    _, T, H, I, E, k, extra = case
+    extra = dict(extra)
+    counts = token_counts(world, T, extra.pop("uneven", False))
+    p = make_problem(sum(counts), H, I, E, k, dtype=dtype, device=device, seed=seed, **extra)
+    return p, local_slice(p, rank, world, counts, E), counts
+
+
 def local_slice(p, rank, world, counts, E):
     E_local = E // world
     first = sum(counts[:rank])
@@ -93,19 +103,26 @@ def gather(t, world, group, counts=None):
     return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
+def gather_outputs(y, grads, world, group, counts):
+    """y and the gradients of every rank in rank order: the per-token ones (y, x,
+    topk_weights) by each rank's token count, the per-expert ones whole."""
+    out = {"y": gather(y, world, group, counts)}
+    out.update({n: gather(grads[n], world, group, counts if n in ("x", "topk_weights") else None)
+                for n in NAMES})
+    return out
+
+
+def tokens_per_rank(T, counts):
+    return T if len(set(counts)) == 1 else counts
+
+
 def run_case(case, rank, world, group, backend, seed, device):
-    name, T, H, I, E, k, extra = case
-    extra = dict(extra)
-    counts = token_counts(world, T, extra.pop("uneven", False))
+    name, T = case[:2]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    p = make_problem(sum(counts), H, I, E, k, dtype=dtype, device=device, seed=seed, **extra)
-    mine = local_slice(p, rank, world, counts, E)
+    p, mine, counts = draw(case, rank, world, device, seed, dtype)
     y, grads = run_with_grads(megamoe.moe, mine, group=group, backend=backend)
-    ep = {"y": gather(y, world, group, counts)}
-    ep.update({n: gather(grads[n], world, group, counts if n in ("x", "topk_weights") else None)
-               for n in NAMES})
-    per_rank = T if len(set(counts)) == 1 else counts
-    result = {"case": name, "tokens_per_rank": per_rank, "ep": world}
+    ep = gather_outputs(y, grads, world, group, counts)
+    result = {"case": name, "tokens_per_rank": tokens_per_rank(T, counts), "ep": world}
     if rank == 0:
         y1, grads1 = run_with_grads(megamoe.moe, p, backend=backend)
         ep1 = {"y": y1, **grads1}
@@ -187,12 +204,8 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph, preci
     the same on every one of `repeats` back-to-back calls on the same buffer, in saved mode
     with fp32 accumulators (_saved_mode_matches), and, with `graph`, from a CUDA-graph replay
     of forward + backward."""
-    name, T, H, I, E, k, extra = case
-    extra = dict(extra)
-    counts = token_counts(world, T, extra.pop("uneven", False))
-    p = make_problem(sum(counts), H, I, E, k, dtype=torch.bfloat16, device=device, seed=seed,
-                     **extra)
-    mine = local_slice(p, rank, world, counts, E)
+    name, T, H, I, E, k, _ = case
+    p, mine, counts = draw(case, rank, world, device, seed, torch.bfloat16)
     buf = megamoe.Buffer(group, T, H, I, E, k)
     first = _fused_step(mine, group, buf, precision)
     same = True
@@ -207,15 +220,13 @@ def run_case_fused(case, rank, world, group, seed, device, repeats, graph, preci
     torch.cuda.synchronize()
     buf.check()
     buf.close()
-    out = {"y": gather(first[0], world, group, counts),
-           **{n: gather(first[1][n], world, group,
-                        counts if n in ("x", "topk_weights") else None) for n in NAMES}}
+    out = gather_outputs(first[0], first[1], world, group, counts)
     # Every rank's verdicts, so rank 0 fails if any rank's calls differed.
     flags = torch.tensor([same, graph_same is not False, saved_same], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    per_rank = T if len(set(counts)) == 1 else counts
-    result = {"case": name, "tokens_per_rank": per_rank, "ep": world, "backend": "fused",
-              "precision": precision, "calls": repeats, "same_every_call": bool(flags[0])}
+    result = {"case": name, "tokens_per_rank": tokens_per_rank(T, counts), "ep": world,
+              "backend": "fused", "precision": precision, "calls": repeats,
+              "same_every_call": bool(flags[0])}
     if graph:
         result["graph_replay_equals_eager"] = bool(flags[1])
     result["saved_mode_and_fp32_accumulators_match"] = bool(flags[2])
