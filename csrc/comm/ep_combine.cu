@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kCopyThreads)
                                                    static_cast<uint64_t>(timeout_ns);
       if (__any_sync(0xffffffffu, give_up)) {
         if (!complete) {
-          comm::record_failure(error, comm::error_code(comm::Phase::kCombineRows, owner));
+          comm::record_timeout(peers, error, comm::error_code(comm::Phase::kCombineRows, owner));
         }
         break;
       }
@@ -195,6 +195,14 @@ __global__ void poison_if_failed_kernel(T* out, int64_t n, const int32_t* skip,
        i += int64_t(gridDim.x) * blockDim.x) {
     out[i] = T(__int_as_float(0x7fc00000));
   }
+}
+
+// The group's first timeout (peer_sync.cuh's record_timeout) into this rank's error words.
+// One thread, before the call's poisons, so that all of them read one verdict: the mark may
+// still arrive while they run (a peer failing later), and an output must not end half NaN.
+__global__ void take_group_failure_kernel(const int32_t* group_failure, int32_t* error) {
+  const int32_t mark = *reinterpret_cast<const volatile int32_t*>(group_failure);
+  if (mark != 0) comm::record_failure(error, mark);
 }
 
 template <class T>
@@ -255,6 +263,13 @@ void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64
   } else {
     launch(static_cast<const int32_t*>(topk_ids));
   }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void take_group_failure(const Call& c, cudaStream_t stream) {
+  if (c.g.peers.world_size == 1) return;  // no peer to wait for
+  take_group_failure_kernel<<<1, 1, 0, stream>>>(
+      at<const int32_t>(c.own(), comm::ControlLayout::kGroupFailure), c.error);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -331,6 +331,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
       combine_phase(c, stream);
       final_combine(c, y, nullptr, stream);
     }
+    take_group_failure(c, stream);
     poison_if_failed(c, y, T * g.hidden, stream);
     return;
   }
@@ -349,6 +350,7 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
     combine_phase(c, stream);
     final_combine(c, y, nullptr, stream);
   }
+  take_group_failure(c, stream);
   poison_if_failed(c, y, T * g.hidden, stream);
 }
 
@@ -434,6 +436,7 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
   combine_phase(c, stream);
 
   final_combine(c, dx, d_topk_weights, stream);
+  take_group_failure(c, stream);
   poison_if_failed(c, dx, T * H, stream);
   poison_if_failed(c, d_topk_weights, T * g.topk, stream);
   const int64_t e_local = c.e_local;

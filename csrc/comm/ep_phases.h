@@ -70,9 +70,18 @@ void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
 void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64,
                          const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
 
+// A timeout of any rank of the group (its mark in this rank's group_failure word,
+// comm::ControlLayout) into this rank's error words, when this rank's own call did not fail:
+// the rows it received, or their sums, may come from a rank that went on after a timeout.
+// After every kernel of the call that acquires a peer's signal or rows (a rank that times
+// out marks every rank before its later sends and signals), before the call's poisons. The
+// mark stays: every later call on these buffers fails too, on every rank.
+void take_group_failure(const Call& c, cudaStream_t stream);
+
 // NaN into out [n] (null: nothing) when the call failed, skipped over capacity or with this
-// rank's error word set by a wait that timed out: such a call must not look like a result.
-// Stream-ordered after every kernel of the call that can set the error word.
+// rank's error word set by a wait that timed out (its own, or another rank's taken by
+// take_group_failure): such a call must not look like a result. Stream-ordered after every
+// kernel of the call that can set the error word.
 void poison_if_failed(const Call& c, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
 void poison_if_failed(const Call& c, float* out, int64_t n, cudaStream_t stream);
 

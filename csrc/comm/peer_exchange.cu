@@ -67,6 +67,10 @@ void phase_barrier(const PeerTable& peers, Phase phase, int64_t timeout_ns, int3
 
 std::string describe_error(int32_t code) {
   if (code == 0) return "no error";
+  if (const int waiting = (code >> 16) - 1; waiting >= 0) {
+    return describe_error(code & 0xFFFF) + " of rank " + std::to_string(waiting) +
+           ", which went on: the group's later outputs are NaN (make new buffers)";
+  }
   const int phase = (code >> 8) - 1;
   const int rank = code & 0xFF;
   if (phase == int(Phase::kCapacity)) {

@@ -38,6 +38,9 @@ struct PeerTable {
 
 // Control area at the start of each symmetric buffer, identical on every rank:
 //   uint32 generation[kNumPhases]              this rank's calls so far, per phase
+//   int32  group_failure                       at kGroupFailure: 0, or the first timeout
+//                                              any rank of the group had (group_failure_code),
+//                                              stored there by that rank; nothing resets it
 //   uint32 signal[kNumPhases][kMaxRanks]       signal[phase][src]: written by rank src
 //   int32  counts[2][kMaxRanks][num_experts]   counts[g % 2][src][e]: rank src's counts of
 //                                              its g-th exchange
@@ -47,6 +50,7 @@ struct PeerTable {
 // exchange).
 struct ControlLayout {
   static constexpr size_t kGeneration = 0;
+  static constexpr size_t kGroupFailure = 128;
   static constexpr size_t kSignal = 256;
   static constexpr size_t kCounts = 512;
   static size_t bytes(int64_t num_experts);
@@ -57,7 +61,8 @@ struct ControlLayout {
            (generation % 2) * kMaxRanks * num_experts;
   }
 };
-static_assert(ControlLayout::kSignal >= sizeof(uint32_t) * int(Phase::kNumPhases));
+static_assert(ControlLayout::kGroupFailure >= sizeof(uint32_t) * int(Phase::kNumPhases));
+static_assert(ControlLayout::kSignal >= ControlLayout::kGroupFailure + sizeof(int32_t));
 static_assert(ControlLayout::kCounts - ControlLayout::kSignal >=
               sizeof(uint32_t) * int(Phase::kNumPhases) * kMaxRanks);
 
@@ -68,7 +73,10 @@ static_assert(ControlLayout::kCounts - ControlLayout::kSignal >=
 // ControlLayout::counts(own buffer, E, generation[kCounts]) holds every rank's counts. Collective: every rank of the table must
 // call it, in the same order as its other exchanges. error: device int32 [2]: [0] written 0,
 // then a code (describe_error) when a peer did not arrive in time; [1] the first such code
-// since it was last zeroed (the caller zeroes it; a code there stays).
+// since it was last zeroed (the caller zeroes it; a code there stays). A rank that times out
+// also stores its code, as group_failure_code, into every rank's group_failure word (its
+// own included), unless one is there: the ranks it goes on to send rows to (computed from a
+// late peer's stale counts or missing rows) learn of it before their next phase ends.
 void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_t num_experts,
                      int64_t timeout_ns, int32_t* error, cudaStream_t stream);
 
@@ -78,8 +86,15 @@ void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_
 void phase_barrier(const PeerTable& peers, Phase phase, int64_t timeout_ns, int32_t* error,
                    cudaStream_t stream);
 
-// "rank 1 did not arrive in phase 'counts' within the timeout" for a nonzero error code.
+// "rank 1 did not arrive in phase 'counts' within the timeout" for a nonzero error code;
+// for a group_failure_code it also names the rank that waited.
 std::string describe_error(int32_t code);
+
+// A timeout's code as seen by the other ranks of the group: error_code(phase, late rank)
+// with (the waiting rank + 1) << 16.
+__host__ __device__ constexpr int32_t group_failure_code(int32_t code, int waiting_rank) {
+  return code | ((waiting_rank + 1) << 16);
+}
 
 
 }  // namespace megamoe::comm

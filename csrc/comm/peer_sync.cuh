@@ -58,6 +58,22 @@ __device__ __forceinline__ void record_failure(int32_t* error, int32_t code) {
   atomicCAS(error + 1, 0, earlier != 0 ? earlier : code);
 }
 
+// A wait that timed out: its code into this rank's error words and, as group_failure_code,
+// into every rank's group_failure word (the first there stays). This rank goes on with rows
+// that may be stale or missing and sends results computed from them; the fence puts the
+// mark before every later store and signal of this thread, so a rank that acquires one of
+// them sees the mark too (ep_combine.cu's take_group_failure).
+__device__ __forceinline__ void record_timeout(const PeerTable& peers, int32_t* error,
+                                               int32_t code) {
+  record_failure(error, code);
+  const int32_t mark = group_failure_code(code, peers.rank);
+  for (int r = 0; r < peers.world_size; ++r) {
+    atomicCAS_system(reinterpret_cast<int*>(peers.buffers[r] + ControlLayout::kGroupFailure),
+                     0, mark);
+  }
+  __threadfence_system();
+}
+
 // One block. Signals this phase's arrival on every rank (after this block's earlier writes
 // to them), then waits for every rank's arrival here. Returns false on timeout.
 __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase phase, uint32_t generation,
@@ -75,7 +91,7 @@ __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase ph
     // Generations only grow; a signal from a later call means this one's arrived too.
     while (static_cast<int32_t>(load_acquire_sys(arrived) - generation) < 0) {
       if (global_time_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-        record_failure(error, error_code(phase, threadIdx.x));
+        record_timeout(peers, error, error_code(phase, threadIdx.x));
         failed = 1;
         break;
       }

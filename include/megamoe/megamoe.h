@@ -320,14 +320,17 @@ MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_g
 
 /* Offset in this rank's buffer of its int32 error word: 0 after a call that went well,
  * else a code for megamoe_ep_describe_error (a peer that did not arrive within the timeout,
- * naming rank and phase; or a receive capacity that would have been exceeded, in which
- * case no row was sent). The int32 after it holds the first such code since it was last
- * zeroed (no call zeroes it; it starts at 0 with the buffer): after many calls, such as a
- * model's layers, it names the first that failed even when later ones went well. After either, the call's outputs on this rank are NaN (y; dx,
- * d_topk_weights and the weight gradients or their fp32 accumulators; a saved h is not),
- * so that a failed call never looks like a result. After a timeout a late peer may still
- * store into the buffers: make new ones, on every rank, before trusting a later call.
- * Read the word after the stream has reached the call. */
+ * naming rank and phase; a timeout of another rank of the group, which also names the rank
+ * that waited; or a receive capacity that would have been exceeded, in which case no row
+ * was sent). The int32 after it holds the first such code since it was last zeroed (no
+ * call zeroes it; it starts at 0 with the buffer): after many calls, such as a model's
+ * layers, it names the first that failed even when later ones went well. After either,
+ * the call's outputs on this rank are NaN (y; dx, d_topk_weights and the weight gradients
+ * or their fp32 accumulators; a saved h is not), so that a failed call never looks like a
+ * result. A rank that times out goes on with what it has and marks every rank's buffer:
+ * from then on every call on the group's buffers fails, on every rank, and a late peer
+ * may still store into them. Make new ones, on every rank, before going on. Read the word
+ * after the stream has reached the call. */
 MEGAMOE_API megamoe_status megamoe_ep_error_offset(const megamoe_ep_group* group, size_t* offset);
 MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message, size_t size);
 

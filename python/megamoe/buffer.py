@@ -105,10 +105,11 @@ class Buffer:
 
     def check(self) -> None:
         """Raises MegaMoEError if a call on this buffer failed on this rank since the last
-        check (a peer that did not arrive, or the receive capacity), naming the first such
-        failure, or if the last call failed; a failed call's outputs are NaN. After a
-        timeout a late peer may still write into the buffer: make a new one on every rank
-        before going on. Waits for the current stream."""
+        check (a peer that did not arrive, another rank's such timeout, or the receive
+        capacity), naming the first such failure, or if the last call failed; a failed
+        call's outputs are NaN. After a timeout anywhere in the group every later call on
+        its buffers fails on every rank, and a late peer may still write into them: make a
+        new buffer on every rank before going on. Waits for the current stream."""
         words = self._memory[self._error_offset:self._error_offset + 8].view(torch.int32)
         last, first = (int(v) for v in words.tolist())
         if first:

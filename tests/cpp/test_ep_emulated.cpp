@@ -5,7 +5,8 @@
 // same buffers alternating two routings; ranks with different numbers of tokens, one with
 // none; the first failure's error word after a good call; and a peer that stops calling
 // before each phase of the forward or the backward: every other rank's error names it and
-// the phase, after the timeout, instead of a hang, and its outputs are NaN.
+// the phase, after the timeout, instead of a hang, and its outputs are NaN; a peer that is
+// only late, whose outputs are NaN too (the group's failure word).
 // Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"), whose y
 // must have the same bits: the default one (.../EP2, .../EP8); the epilogue combine, where
 // L2's epilogue stores each row into its source's slot and the source reduces there
@@ -16,8 +17,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -341,6 +344,58 @@ TEST_P(EpEmulated, AMissingPeerInTheBackwardIsATimeoutNamingRankAndPhase) {
     sync_ranks();
     expect_timeouts_naming(missing, name, /*backward=*/true);
     EXPECT_EQ(download<int32_t>(peer_error, 1)[0], 0) << "the others did arrive where the peer waited";
+  }
+}
+
+// A peer that is late but alive: the others time out waiting for it in 'counts', go on with
+// its stale counts (zeros: nothing from it) and send it sums that lack its rows. Its own
+// waits all succeed, so without the group's failure word it would take those sums for a
+// result. With it, its y is NaN too and its error names the late rank, the phase and a rank
+// that went on (with the epilogue combine it also times out itself, waiting for slot rows
+// nobody computes). The buffers are then spent: a next call of every rank, on time, is NaN
+// on every rank.
+TEST_P(EpEmulated, ALatePeerFailsTheWholeGroup) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  const int W = world_, late = W - 1;
+  const int64_t tokens = 32, E = 2 * W, k = 2;
+  constexpr int64_t kShortNs = 500'000'000;
+  prepare(tokens, 256, 128, E, k, Routing::kRandom, 0.0, tokens * k * W, seed, 0, kShortNs);
+  if (HasFatalFailure()) return;
+  const int64_t H = this->H();
+  for (int r = 0; r < W; ++r) {
+    if (r != late) launch_forward(r, false);
+  }
+  // Past the others' timeout in 'counts' by half of one, as far inside their next wait.
+  std::this_thread::sleep_for(std::chrono::nanoseconds(kShortNs * 3 / 2));
+  launch_forward(late, false);
+  sync_ranks();
+  const std::string counts =
+      "rank " + std::to_string(late) + " did not arrive in phase 'counts' within the timeout";
+  const auto seen_by_a_peer = [&](int32_t code) {
+    return megamoe::comm::describe_error(code).rfind(counts + " of rank ", 0) == 0;
+  };
+  for (int r = 0; r < W; ++r) {
+    const int32_t code = error_of(r);
+    if (r != late) {
+      EXPECT_EQ(megamoe::comm::describe_error(code), counts) << "rank " << r;
+    } else if (!epilogue_combine_) {
+      EXPECT_TRUE(seen_by_a_peer(code)) << "the late rank: " << megamoe::comm::describe_error(code);
+    } else {
+      EXPECT_NE(code, 0) << "the late rank";
+    }
+    EXPECT_EQ(numbers_in(r, &Rank::y, rank_tokens_[r] * H), 0) << "rank " << r << ": y not all NaN";
+    const int32_t mark = download<int32_t>(
+        tables_[r].buffers[r] + megamoe::comm::ControlLayout::kGroupFailure, 1)[0];
+    EXPECT_TRUE(seen_by_a_peer(mark)) << "rank " << r << "'s group failure word: "
+                                      << megamoe::comm::describe_error(mark);
+  }
+  for (int r = 0; r < W; ++r) launch_forward(r, false);
+  sync_ranks();
+  for (int r = 0; r < W; ++r) {
+    EXPECT_NE(error_of(r), 0) << "rank " << r << ", the call on spent buffers";
+    EXPECT_EQ(numbers_in(r, &Rank::y, rank_tokens_[r] * H), 0)
+        << "rank " << r << ": y of the call on spent buffers not all NaN";
   }
 }
 

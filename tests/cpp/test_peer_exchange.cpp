@@ -81,6 +81,13 @@ TEST_F(PeerExchangeGpu, AMissingPeerIsATimeoutErrorNotAHang) {
   EXPECT_NE(code, 0);
   EXPECT_NE(message.find("did not arrive in phase 'counts'"), std::string::npos) << message;
   EXPECT_EQ(message.find("rank 0 "), std::string::npos) << message;  // rank 0 did arrive
+  // Rank 0 went on after its timeout: its code is in every rank's group failure word.
+  for (size_t r = 0; r < tables.size(); ++r) {
+    int32_t mark = 0;
+    CUDA_OK(cudaMemcpy(&mark, tables[r].buffers[r] + ControlLayout::kGroupFailure, 4,
+                       cudaMemcpyDeviceToHost));
+    EXPECT_EQ(mark, megamoe::comm::group_failure_code(code, 0)) << "rank " << r;
+  }
 }
 
 TEST(PeerExchange, RejectsABadTable) {
@@ -96,6 +103,9 @@ TEST(PeerExchange, RejectsABadTable) {
       "no buffer for rank 0");
   EXPECT_EQ(megamoe::comm::describe_error((1 << 8) | 1),
             "rank 1 did not arrive in phase 'counts' within the timeout");
+  EXPECT_EQ(megamoe::comm::describe_error(megamoe::comm::group_failure_code((1 << 8) | 1, 0)),
+            "rank 1 did not arrive in phase 'counts' within the timeout of rank 0, which went "
+            "on: the group's later outputs are NaN (make new buffers)");
 }
 
 }  // namespace
