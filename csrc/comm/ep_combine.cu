@@ -94,7 +94,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 // 7, epilogue combine: y of each of this rank's tokens from its slots' rows, which the
 // owners' L2 epilogues stored here (one warp per token). Lane j waits for slot j's counter to
 // reach H (all its N-tiles); the warp goes on when every valid slot is complete, or gives up
-// after the timeout or when an earlier wait of this rank has failed (the error word is set),
+// after the timeout, when an earlier wait of this rank has failed (the error word is set) or
+// when the group has (its failure word, peer_sync.cuh),
 // so that a dead peer costs one timeout. Then the default path's arithmetic, operation for
 // operation: per owner d that received the token, in rank order, the fma of every slot in
 // slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0, which
@@ -136,10 +137,13 @@ __global__ void __launch_bounds__(kCopyThreads)
     while (true) {
       if (!complete) complete = comm::load_acquire_sys(my_done) >= static_cast<uint32_t>(H);
       if (__all_sync(0xffffffffu, complete)) break;
-      const bool give_up = *error_word != 0 || comm::global_time_ns() - start >
-                                                   static_cast<uint64_t>(timeout_ns);
+      const int32_t mark = comm::group_failure(peers);
+      const bool give_up = mark != 0 || *error_word != 0 ||
+                           comm::global_time_ns() - start > static_cast<uint64_t>(timeout_ns);
       if (__any_sync(0xffffffffu, give_up)) {
-        if (!complete) {
+        if (!complete && mark != 0) {
+          comm::join_group_failure(peers, error, mark);
+        } else if (!complete) {
           comm::record_timeout(peers, error, comm::error_code(comm::Phase::kCombineRows, owner));
         }
         break;

@@ -3,7 +3,8 @@
 // access in the C++ tests). No host sync, no per-call memset: each phase keeps a
 // generation counter in device memory, advanced by every call, and a rank's arrival is
 // the peer's signal word reaching that generation. A peer that never arrives ends the
-// wait after `timeout_ns` with an error code naming the rank and the phase.
+// wait after `timeout_ns` with an error code naming the rank and the phase, and marks the
+// group as failed (exchange_counts below).
 //
 // Two collectives: the exchange of the expert counts (the all-gather every rank needs to
 // lay out the token rows it sends and receives), and a barrier per phase of a call.
@@ -76,7 +77,9 @@ static_assert(ControlLayout::kCounts - ControlLayout::kSignal >=
 // since it was last zeroed (the caller zeroes it; a code there stays). A rank that times out
 // also stores its code, as group_failure_code, into every rank's group_failure word (its
 // own included), unless one is there: the ranks it goes on to send rows to (computed from a
-// late peer's stale counts or missing rows) learn of it before their next phase ends.
+// late peer's stale counts or missing rows) learn of it before their next phase ends. From
+// then on every wait of every rank that has to wait gives up at once, taking that code into
+// its error words (and passing it on): a dead peer costs the group one timeout.
 void exchange_counts(const PeerTable& peers, const int32_t* local_counts, int64_t num_experts,
                      int64_t timeout_ns, int32_t* error, cudaStream_t stream);
 

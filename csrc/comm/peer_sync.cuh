@@ -58,24 +58,48 @@ __device__ __forceinline__ void record_failure(int32_t* error, int32_t code) {
   atomicCAS(error + 1, 0, earlier != 0 ? earlier : code);
 }
 
-// A wait that timed out: its code into this rank's error words and, as group_failure_code,
-// into every rank's group_failure word (the first there stays). This rank goes on with rows
-// that may be stale or missing and sends results computed from them; the fence puts the
-// mark before every later store and signal of this thread, so a rank that acquires one of
-// them sees the mark too (ep_combine.cu's take_group_failure).
-__device__ __forceinline__ void record_timeout(const PeerTable& peers, int32_t* error,
-                                               int32_t code) {
-  record_failure(error, code);
-  const int32_t mark = group_failure_code(code, peers.rank);
+__device__ __forceinline__ int32_t* group_failure_word(char* buffer) {
+  return reinterpret_cast<int32_t*>(buffer + ControlLayout::kGroupFailure);
+}
+
+// The group's failure as this rank sees it (0: none): a peer's timeout, or its own.
+__device__ __forceinline__ int32_t group_failure(const PeerTable& peers) {
+  return *reinterpret_cast<const volatile int32_t*>(group_failure_word(peers.buffers[peers.rank]));
+}
+
+// `mark` (a group_failure_code) into every rank's group_failure word, where none is there
+// yet. This rank goes on with rows that may be stale or missing and sends results computed
+// from them; the fence puts the mark before every later store and signal of this thread, so
+// a rank that acquires one of them sees a mark too (ep_combine.cu's take_group_failure),
+// whether or not the rank that failed first has reached its word yet.
+__device__ __forceinline__ void mark_group(const PeerTable& peers, int32_t mark) {
   for (int r = 0; r < peers.world_size; ++r) {
-    atomicCAS_system(reinterpret_cast<int*>(peers.buffers[r] + ControlLayout::kGroupFailure),
-                     0, mark);
+    atomicCAS_system(group_failure_word(peers.buffers[r]), 0, mark);
   }
   __threadfence_system();
 }
 
+// A wait that timed out: its code into this rank's error words and, as group_failure_code,
+// into every rank's group_failure word.
+__device__ __forceinline__ void record_timeout(const PeerTable& peers, int32_t* error,
+                                               int32_t code) {
+  record_failure(error, code);
+  mark_group(peers, group_failure_code(code, peers.rank));
+}
+
+// A wait given up on because the group has failed: the group's code into this rank's error
+// words, and passed on to every rank before this rank's later stores.
+__device__ __forceinline__ void join_group_failure(const PeerTable& peers, int32_t* error,
+                                                   int32_t mark) {
+  record_failure(error, mark);
+  mark_group(peers, mark);
+}
+
 // One block. Signals this phase's arrival on every rank (after this block's earlier writes
-// to them), then waits for every rank's arrival here. Returns false on timeout.
+// to them), then waits for every rank's arrival here. Returns false on timeout, and at once
+// when the group has failed (a timeout on any rank, this call or an earlier one): the call's
+// outputs are NaN by then whatever arrives, so a dead peer costs the group one timeout
+// instead of one per phase of every call from then on.
 __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase phase, uint32_t generation,
                                 int64_t timeout_ns, int32_t* error) {
   __shared__ int failed;
@@ -90,6 +114,11 @@ __device__ __forceinline__ bool arrive_and_wait(const PeerTable& peers, Phase ph
     const uint64_t start = global_time_ns();
     // Generations only grow; a signal from a later call means this one's arrived too.
     while (static_cast<int32_t>(load_acquire_sys(arrived) - generation) < 0) {
+      if (const int32_t mark = group_failure(peers); mark != 0) {
+        join_group_failure(peers, error, mark);
+        failed = 1;
+        break;
+      }
       if (global_time_ns() - start > static_cast<uint64_t>(timeout_ns)) {
         record_timeout(peers, error, error_code(phase, threadIdx.x));
         failed = 1;

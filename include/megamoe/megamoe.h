@@ -328,8 +328,9 @@ MEGAMOE_API megamoe_status megamoe_ep_backward_workspace_size(const megamoe_ep_g
  * the call's outputs on this rank are NaN (y; dx, d_topk_weights and the weight gradients
  * or their fp32 accumulators; a saved h is not), so that a failed call never looks like a
  * result. A rank that times out goes on with what it has and marks every rank's buffer:
- * from then on every call on the group's buffers fails, on every rank, and a late peer
- * may still store into them. Make new ones, on every rank, before going on. Read the word
+ * from then on every call on the group's buffers fails, on every rank, without waiting (a
+ * dead peer costs the group one timeout), and a late peer may still store into them. Make
+ * new ones, on every rank, before going on. Read the word
  * after the stream has reached the call. */
 MEGAMOE_API megamoe_status megamoe_ep_error_offset(const megamoe_ep_group* group, size_t* offset);
 MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message, size_t size);
