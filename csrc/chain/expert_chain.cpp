@@ -260,9 +260,6 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
              bool with_l2) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_forward()) {
-    if (l2_to_peers != nullptr) {
-      throw_invalid("expert chain: L2 rows to peers need the bf16 forward");
-    }
     const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, rows.x_quantized, H, b.x_fp8, stream);
     const sm90::Fp8Weights gate_up = as_b(w.fp8_gate_up, 2 * I, H, false);
     // L2's A straight from L1's epilogue where its tiles allow (A by TMA), else through the
@@ -280,8 +277,13 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
     const sm90::MGroupedFp8A activation{b.activation_fp8.q, rows.rows, RowLayout::kSorted,
                                         nullptr, b.activation_fp8.scales,
                                         b.activation_fp8.scale_ld};
-    sm90::m_grouped_fp8_gemm_nt(
-        over_rows(rows, activation, as_b(w.fp8_down, H, I, false), I, H, b.out), stream);
+    const sm90::Fp8Weights down = as_b(w.fp8_down, H, I, false);
+    if (l2_to_peers != nullptr) {
+      sm90::m_grouped_fp8_gemm_nt_to_peers(over_rows(rows, activation, down, I, H, nullptr),
+                                           *l2_to_peers, stream);
+    } else {
+      sm90::m_grouped_fp8_gemm_nt(over_rows(rows, activation, down, I, H, b.out), stream);
+    }
     return;
   }
   forward_l1(rows, w, b, saved_h, stream);
@@ -385,7 +387,8 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
 }
 
 DgradDone backward_dgrad_l1(const Rows& rows, const Experts& w, const BackwardBuffers& b,
-                            cudaStream_t stream, bool d_w_gate_up_wanted) {
+                            cudaStream_t stream, bool d_w_gate_up_wanted,
+                            const sm90::PeerRowsOut* dx_to_peers) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_backward()) {
     // dh quantized (into dh_fp8), with its token-contiguous copy for dW_gate_up into
@@ -402,17 +405,27 @@ DgradDone backward_dgrad_l1(const Rows& rows, const Experts& w, const BackwardBu
     }
     const sm90::MGroupedFp8A dh{b.dh_fp8.q, b.padded_rows, RowLayout::kPadded, nullptr,
                                 b.dh_fp8.scales, b.dh_fp8.scale_ld};
-    sm90::MGroupedFp8GemmArgs l1 = over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true),
-                                                 2 * I, H, b.dx_rows);
+    sm90::MGroupedFp8GemmArgs l1 =
+        over_rows(rows, dh, as_b(w.fp8_gate_up, 2 * I, H, true), 2 * I, H,
+                  dx_to_peers != nullptr ? nullptr : b.dx_rows);
     l1.groups.rows = b.padded_rows;
-    sm90::m_grouped_fp8_gemm_nt(l1, stream);
+    if (dx_to_peers != nullptr) {
+      sm90::m_grouped_fp8_gemm_nt_to_peers(l1, *dx_to_peers, stream);
+    } else {
+      sm90::m_grouped_fp8_gemm_nt(l1, stream);
+    }
     return done;
   }
   // dx rows = dh . w_gate_up (w_gate_up read N-major: K = 2I, N = H), in row order.
   const sm90::MGroupedA dh{b.dh, b.padded_rows, RowLayout::kPadded, nullptr};
-  sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H, b.dx_rows);
+  sm90::MGroupedGemmArgs l1_dgrad = over_rows(rows, dh, w.w_gate_up, 2 * I, H,
+                                              dx_to_peers != nullptr ? nullptr : b.dx_rows);
   l1_dgrad.groups.rows = b.padded_rows;  // A's padded rows, from which the grid is sized
-  sm90::m_grouped_gemm_nn(l1_dgrad, stream);
+  if (dx_to_peers != nullptr) {
+    sm90::m_grouped_gemm_nn_to_peers(l1_dgrad, *dx_to_peers, stream);
+  } else {
+    sm90::m_grouped_gemm_nn(l1_dgrad, stream);
+  }
   return {};
 }
 

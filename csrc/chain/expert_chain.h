@@ -145,8 +145,9 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
                              int64_t I, Precision precision = Precision::kBf16);
 
 // saved_h: null, or [rows, 2I] that receives h = [gate | up] for a backward in saved mode.
-// l2_to_peers: null, or (bf16 only) where L2 sends each output row instead of b.out (the
-// expert-parallel epilogue combine, sm90::m_grouped_gemm_nt_to_peers): the same bits.
+// l2_to_peers: null, or where L2 sends each output row instead of b.out (the expert-parallel
+// epilogue combine, sm90::m_grouped_gemm_nt_to_peers / m_grouped_fp8_gemm_nt_to_peers): the
+// same bits.
 // with_l2 false: L1 only (saved_h's bits, b.out not written), for a forward whose output
 // is not wanted (the recompute of an activation-checkpointed region).
 void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
@@ -214,9 +215,12 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
                          bool d_w_gate_up_wanted = false);
 // The dgrad of L1 alone, for a caller that ran backward_dgrad without dx_rows (the two
 // halves on either side of something else): the dx rows into b.dx_rows, as backward_dgrad
-// with dx_rows would have written them.
+// with dx_rows would have written them; or, with dx_to_peers, each dx row sent to its slot on
+// its token's rank instead (the expert-parallel epilogue combine,
+// sm90::m_grouped_gemm_nn_to_peers / m_grouped_fp8_gemm_nt_to_peers): the same bits.
 DgradDone backward_dgrad_l1(const Rows& rows, const Experts& w, const BackwardBuffers& b,
-                            cudaStream_t stream, bool d_w_gate_up_wanted = false);
+                            cudaStream_t stream, bool d_w_gate_up_wanted = false,
+                            const sm90::PeerRowsOut* dx_to_peers = nullptr);
 
 // The weight gradients dW_down = (p dy)^T a and dW_gate_up = dh^T x ([E, H, I] and
 // [E, 2I, H]; zeros, or nothing added, for experts without rows). Overwrites b.token_rows

@@ -91,31 +91,35 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   }
 }
 
-// 7, epilogue combine: y of each of this rank's tokens from its slots' rows, which the
-// owners' L2 epilogues stored here (one warp per token). Lane j waits for slot j's counter to
-// reach H (all its N-tiles); the warp goes on when every valid slot is complete, or gives up
-// after the timeout, when an earlier wait of this rank has failed (the error word is set) or
-// when the group has (its failure word, peer_sync.cuh),
-// so that a dead peer costs one timeout. Then the default path's arithmetic, operation for
-// operation: per owner d that received the token, in rank order, the fma of every slot in
-// slot order in batches of kCopyBatch (a slot of another owner, or none, adds 0 * 0, which
-// combine_send skips: staged_row_sums.cuh says where that can turn a zero's sign), rounded
-// to bf16 (d's partial), summed in fp32 and rounded again (final_combine_kernel). The grid
-// is one block per SM at most: under emulation a spinning rank must leave whole SMs to its
-// peers' GEMMs (docs/expert-parallel.md).
+// 7, epilogue combine: y (backward: dx) of each of this rank's tokens from its slots' rows,
+// which the owners' L2 (backward: L1 dgrad) epilogues stored here (one warp per token). Lane
+// j waits for slot j's counter to reach H (all its N-tiles); the warp goes on when every
+// valid slot is complete, or gives up after the timeout, when an earlier wait of this rank
+// has failed (the error word is set) or when the group has (its failure word, peer_sync.cuh),
+// so that a dead peer costs one timeout. Then the
+// one-GPU layer's combine (combine_rows.cu), operation for operation: from +0, the fma of
+// every valid slot's row in slot order, in fp32 (backward: weight 1), rounded once to bf16;
+// the backward also takes each valid slot's d topk_weights from combine_dp (0 for an id of
+// -1). A row's GEMM results do not depend on where it was computed, so y and dx are bitwise
+// the one-GPU layer's, whatever owners hold the slots; the default path's per-owner
+// partials cannot be (fp32 sums do not regroup), and sending every slot's row is what this
+// costs (docs/expert-parallel.md, "Bits"). The grid is one block per SM at most: under
+// emulation a spinning rank must leave whole SMs to its peers' GEMMs.
+constexpr int kExactBatch = 8;  // slots whose rows a lane loads together (combine_rows' group)
+
 template <class Id>
 __global__ void __launch_bounds__(kCopyThreads)
     final_combine_slots_kernel(const __grid_constant__ comm::PeerTable peers,
                                const __grid_constant__ BufferLayout layout,
                                const Id* __restrict__ topk_ids,
-                               const float* __restrict__ topk_weights,
-                               const int32_t* __restrict__ slot_row,
-                               const int32_t* __restrict__ token_pos, int64_t T,
+                               const float* __restrict__ topk_weights,  // null: 1 (dx)
+                               const int32_t* __restrict__ slot_row, int64_t T,
                                int32_t experts_per_rank, const int32_t* __restrict__ skip,
                                int64_t timeout_ns, int32_t* error,
-                               __nv_bfloat16* __restrict__ out) {
+                               __nv_bfloat16* __restrict__ out,
+                               float* __restrict__ d_topk_weights) {
   if (*skip) return;
-  const int world = peers.world_size, k = layout.topk, H = layout.hidden;
+  const int k = layout.topk, H = layout.hidden;
   const int lane = threadIdx.x % 32;
   char* own = peers.buffers[peers.rank];
   // Written by other GPUs during this kernel: plain (coherent) loads after the acquire, not
@@ -129,7 +133,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     float weight = 0.f;
     if (lane < k && slot_row[t * k + lane] >= 0) {
       owner = static_cast<int>(static_cast<int64_t>(topk_ids[t * k + lane]) / experts_per_rank);
-      weight = topk_weights[t * k + lane];
+      weight = topk_weights != nullptr ? topk_weights[t * k + lane] : 1.f;
     }
     uint32_t* my_done = owner >= 0 ? done + t * k + lane : nullptr;
     bool complete = owner < 0;
@@ -154,39 +158,68 @@ __global__ void __launch_bounds__(kCopyThreads)
     }
     __syncwarp();  // every lane's reads below after every lane's acquire
 
-    // Every lane runs every pass (the shuffles need the whole warp), as in combine_send.
+    // Every lane runs every pass (the shuffles need the whole warp). Slots in slot order from
+    // +0, a single fma each, the unused ones skipped, kExactBatch rows' loads in flight.
     for (int c0 = 0; c0 < H; c0 += 32 * 8) {
       const int c = c0 + lane * 8;
       const bool in_row = c < H;
       float acc[8] = {};
-      for (int d = 0; d < world; ++d) {
-        if (token_pos[t * world + d] < 0) continue;
-        float part[8] = {};
-        for (int j0 = 0; j0 < k; j0 += kCopyBatch) {
-          uint4 v[kCopyBatch];
-          float w[kCopyBatch];
+      for (int j0 = 0; j0 < k; j0 += kExactBatch) {
+        uint4 v[kExactBatch];
+        float w[kExactBatch];
+        bool used[kExactBatch];
 #pragma unroll
-          for (int b = 0; b < kCopyBatch; ++b) {
-            const int j = j0 + b;
-            const int slot_owner = __shfl_sync(0xffffffffu, owner, j % 32);
-            w[b] = __shfl_sync(0xffffffffu, weight, j % 32);
-            const bool used = j < k && slot_owner == d;
-            v[b] = used && in_row
-                       ? *reinterpret_cast<const uint4*>(slot_rows + (t * k + j) * H + c)
-                       : make_uint4(0, 0, 0, 0);
-            if (!used) w[b] = 0.f;
+        for (int b = 0; b < kExactBatch; ++b) {
+          const int j = j0 + b;
+          const int slot_owner = __shfl_sync(0xffffffffu, owner, j % 32);
+          used[b] = j < k && slot_owner >= 0;
+          w[b] = __shfl_sync(0xffffffffu, weight, j % 32);
+          if (used[b] && in_row) {
+            v[b] = *reinterpret_cast<const uint4*>(slot_rows + (t * k + j) * H + c);
           }
-#pragma unroll
-          for (int b = 0; b < kCopyBatch; ++b) fma_row(part, w[b], v[b]);
         }
-        fma_row(acc, 1.f, pack_row(part));
+#pragma unroll
+        for (int b = 0; b < kExactBatch; ++b) {
+          if (used[b] && in_row) fma_row(acc, w[b], v[b]);
+        }
       }
       if (in_row) *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
+    }
+    if (d_topk_weights != nullptr && lane < k) {
+      // Stored by the slot's owner before the rows whose count was acquired above.
+      d_topk_weights[t * k + lane] =
+          owner >= 0 ? at<const float>(own, layout.combine_dp)[t * k + lane] : 0.f;
     }
     // Ready for the next call: no owner adds to it before this rank's next dispatch phase.
     if (my_done != nullptr) *my_done = 0;
   }
   __threadfence_system();  // the resets, before the next phase kernel's release signal
+}
+
+// The epilogue combine's backward: each received row's d topk_weights into its slot of its
+// source's combine_dp (recv_row_dest, as the dx rows go), one thread per row. Ends with a
+// system fence: the L1 dgrad's epilogue, launched after this kernel, then releases the
+// slot's counter that the source acquires before it reads the value. Rows past the received
+// ones have a former call's recv_row_dest and are not read.
+__global__ void __launch_bounds__(kCopyThreads)
+    send_slot_dp_kernel(const __grid_constant__ comm::PeerTable peers,
+                        const __grid_constant__ BufferLayout layout,
+                        const float* __restrict__ dp_rows,
+                        const int32_t* __restrict__ received, int64_t e_local,
+                        const int32_t* __restrict__ skip) {
+  if (*skip) return;
+  char* own = peers.buffers[peers.rank];
+  const int32_t* dest = at<const int32_t>(own, layout.recv_row_dest);
+  const int64_t slots = int64_t(layout.max_tokens) * layout.topk;
+  const int64_t rows = received[e_local];
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows;
+       r += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t d = dest[r];
+    if (d < 0) continue;
+    const int source = static_cast<int>(d / slots);
+    at<float>(peers.buffers[source], layout.combine_dp)[d - source * slots] = dp_rows[r];
+  }
+  __threadfence_system();
 }
 
 // A call that failed must not look like a result: skipped over capacity, or with a wait that
@@ -255,12 +288,14 @@ void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
 }
 
 void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64,
-                         const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream) {
+                         const float* topk_weights, __nv_bfloat16* out, float* d_topk_weights,
+                         cudaStream_t stream) {
   if (c.T == 0) return;
   const auto launch = [&](auto* ids) {
     final_combine_slots_kernel<<<c.sms, kCopyThreads, 0, stream>>>(
-        c.g.peers, c.buffer, ids, topk_weights, c.w.local.plan.slot_row, c.w.token_pos, c.T,
-        static_cast<int32_t>(c.e_local), c.w.skip, c.g.timeout_ns, c.error, out);
+        c.g.peers, c.buffer, ids, topk_weights, c.w.local.plan.slot_row, c.T,
+        static_cast<int32_t>(c.e_local), c.w.skip, c.g.timeout_ns, c.error, out,
+        d_topk_weights);
   };
   if (ids_are_int64) {
     launch(static_cast<const int64_t*>(topk_ids));
@@ -274,6 +309,12 @@ void take_group_failure(const Call& c, cudaStream_t stream) {
   if (c.g.peers.world_size == 1) return;  // no peer to wait for
   take_group_failure_kernel<<<1, 1, 0, stream>>>(
       at<const int32_t>(c.own(), comm::ControlLayout::kGroupFailure), c.error);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void send_slot_dp(const Call& c, const float* dp_rows, cudaStream_t stream) {
+  send_slot_dp_kernel<<<c.sms, kCopyThreads, 0, stream>>>(
+      c.g.peers, c.buffer, dp_rows, c.w.recv_expert_offsets, c.e_local, c.w.skip);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -85,9 +85,10 @@ chain::Rows received_rows(const Call& c, int32_t* row_slot) {
   return r;
 }
 
-// The epilogue combine's L2 destination: row r goes to slot recv_row_dest[r] of its source
-// (ep_layout.h), whose counters final_combine_slots waits on.
-sm90::PeerRowsOut l2_to_peers(const Call& c) {
+// The epilogue combine's destination of L2's rows (backward: the L1 dgrad's dx rows): row r
+// goes to slot recv_row_dest[r] of its source (ep_layout.h), whose counters
+// final_combine_slots waits on.
+sm90::PeerRowsOut slot_rows_to_peers(const Call& c) {
   sm90::PeerRowsOut out;
   for (int r = 0; r < c.g.peers.world_size; ++r) out.buffers[r] = c.g.peers.buffers[r];
   out.rows_offset = c.buffer.combine_slot_rows;
@@ -239,7 +240,7 @@ Call overlapped_chain(const Group& g, const CallWorkspace& w, const __nv_bfloat1
   dispatch(c, x, nullptr, topk_ids, ids_are_int64, topk_weights, side.stream,
            DispatchPart::kPeers, copy_blocks);
   comm::phase_barrier(g.peers, comm::Phase::kDispatch, g.timeout_ns, c.error, side.stream);
-  const sm90::PeerRowsOut out = to_peers ? l2_to_peers(c) : sm90::PeerRowsOut{};
+  const sm90::PeerRowsOut out = to_peers ? slot_rows_to_peers(c) : sm90::PeerRowsOut{};
   const sm90::PeerRowsOut* l2_out = to_peers ? &out : nullptr;
   const chain::Rows own = plan_rows(c, true, x);
   const bool own_rows = own.tokens > 0;  // no x rows (T = 0): no own rows either
@@ -320,13 +321,13 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
       carve_checked(g, T, I, Pass::kForward, experts.precision, workspace, workspace_size,
                     experts.fp8_forward() ? "megamoe_ep_fp8_workspace_size"
                                           : "megamoe_ep_workspace_size");
-  // The overlapped paths run the bf16 GEMMs: an FP8 forward takes the default one.
+  // The overlapped dispatch runs the bf16 GEMMs: an FP8 forward takes the other path.
   const bool bf16 = !experts.fp8_forward();
   if (bf16 && g.overlap_dispatch) {
     const Call c = overlapped_chain(g, w, x, topk_ids, ids_are_int64, topk_weights, experts, T,
                                     g.epilogue_combine, saved_h, stream);
     if (g.epilogue_combine) {
-      final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, stream);
+      final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, nullptr, stream);
     } else {  // the partial sums are sent
       combine_phase(c, stream);
       final_combine(c, y, nullptr, stream);
@@ -338,12 +339,12 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
   const Call c =
       route_and_dispatch(g, w, x, nullptr, topk_ids, ids_are_int64, topk_weights, T, stream);
   const chain::Rows rows = received_rows(c, nullptr);
-  if (bf16 && g.epilogue_combine) {
+  if (g.epilogue_combine) {
     // L2's epilogue stores every row into its source's slot and counts it there; each rank
     // reduces its tokens as their slots complete (no combine send, no combine phase).
-    const sm90::PeerRowsOut to_peers = l2_to_peers(c);
+    const sm90::PeerRowsOut to_peers = slot_rows_to_peers(c);
     chain::forward(rows, experts, w.forward, saved_h, stream, &to_peers);
-    final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, stream);
+    final_combine_slots(c, topk_ids, ids_are_int64, topk_weights, y, nullptr, stream);
   } else {
     chain::forward(rows, experts, w.forward, saved_h, stream);
     combine_send(c, w.forward.out, rows.slot_weights, nullptr, stream);
@@ -410,32 +411,46 @@ void backward(const Group& g, const __nv_bfloat16* dy, const __nv_bfloat16* x,
     if (x_beside) cap.emplace(gemm_sms, kBesideCopy);
     chain::backward_dgrad(rows, experts, saved_h, b, /*dx_rows=*/false, stream);
   }
-  const chain::DgradDone done =
-      chain::backward_dgrad_l1(rows, experts, b, stream, /*d_w_gate_up_wanted=*/true);
-  reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
-  if (x_beside) join_side(*side, stream);
-  // The dx rows are apart from what the weight gradients write when carved so (bf16) or
-  // when those read the token matrices in place (FP8, unless a diagnostic switch says not).
-  const bool apart = b.dx_rows != b.token_rows || !chain::wgrad_writes_token_rows(experts);
-  if (g.overlap_backward && apart) {
-    // The dx send on the side stream's copy blocks, launched first so that they find their
-    // SMs; the weight gradients beside it on the others (SmLimit). Neither writes what the
-    // other reads, and each output's bits are as in the default order.
-    fork_side(*side, stream);
-    combine_send(c, b.dx_rows, nullptr, w.dp_rows, side->stream, copy_blocks);
-    {
-      const SmLimit cap(gemm_sms, kBesideCopy);
+  if (g.epilogue_combine) {
+    // The epilogue combine: each slot's d topk_weights, then its dx row from the L1 dgrad's
+    // epilogue, straight into its slot on its source, which folds every slot's row as the
+    // one-GPU layer does (dx bitwise its dx); no combine send, no combine phase.
+    reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
+    send_slot_dp(c, w.dp_rows, stream);
+    const sm90::PeerRowsOut to_peers = slot_rows_to_peers(c);
+    const chain::DgradDone done = chain::backward_dgrad_l1(
+        rows, experts, b, stream, /*d_w_gate_up_wanted=*/true, &to_peers);
+    if (x_beside) join_side(*side, stream);
+    chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
+    final_combine_slots(c, topk_ids, ids_are_int64, nullptr, dx, d_topk_weights, stream);
+  } else {
+    const chain::DgradDone done =
+        chain::backward_dgrad_l1(rows, experts, b, stream, /*d_w_gate_up_wanted=*/true);
+    reduce_slot_partials(b.dp_partial, b.dp_parts, w.identity, R, w.dp_rows, stream);
+    if (x_beside) join_side(*side, stream);
+    // The dx rows are apart from what the weight gradients write when carved so (bf16) or
+    // when those read the token matrices in place (FP8, unless a diagnostic switch says not).
+    const bool apart = b.dx_rows != b.token_rows || !chain::wgrad_writes_token_rows(experts);
+    if (g.overlap_backward && apart) {
+      // The dx send on the side stream's copy blocks, launched first so that they find their
+      // SMs; the weight gradients beside it on the others (SmLimit). Neither writes what the
+      // other reads, and each output's bits are as in the default order.
+      fork_side(*side, stream);
+      combine_send(c, b.dx_rows, nullptr, w.dp_rows, side->stream, copy_blocks);
+      {
+        const SmLimit cap(gemm_sms, kBesideCopy);
+        chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
+      }
+      join_side(*side, stream);
+    } else {
+      combine_send(c, b.dx_rows, nullptr, w.dp_rows, stream);
+      // The weight gradients stay here: they run while the peers finish.
       chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
     }
-    join_side(*side, stream);
-  } else {
-    combine_send(c, b.dx_rows, nullptr, w.dp_rows, stream);
-    // The weight gradients stay here: they run while the peers finish.
-    chain::backward_wgrad(rows, experts, b, d_w_gate_up, d_w_down, stream, done);
-  }
-  combine_phase(c, stream);
+    combine_phase(c, stream);
 
-  final_combine(c, dx, d_topk_weights, stream);
+    final_combine(c, dx, d_topk_weights, stream);
+  }
   take_group_failure(c, stream);
   poison_if_failed(c, dx, T * H, stream);
   poison_if_failed(c, d_topk_weights, T * g.topk, stream);

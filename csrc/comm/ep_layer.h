@@ -24,8 +24,10 @@
 //   7. the source sums the owners' partial rows in rank order -> y (backward: dx).
 // With Group::epilogue_combine the forward's steps 6-7 are instead: L2's epilogue stores
 // each result row into its slot in the source's buffer and counts it there; the source
-// waits per slot and reduces each token in the order of 6-7 (the same bits), with no combine
-// send and no combine phase (docs/expert-parallel.md, "Forward overlap").
+// waits per slot and reduces each token as the one-GPU layer does (y bitwise the one-GPU
+// layer's), with no combine send and no combine phase (docs/expert-parallel.md, "Forward
+// overlap", "Bits"). The backward likewise: each slot's d topk_weights, then its dx row from
+// the L1 dgrad's epilogue (dx bitwise the one-GPU layer's). At every precision.
 // With Group::overlap_dispatch the forward lays every owner's own rows out first: L1 runs
 // on them straight from x (never copied) while the peers' rows are dispatched on a second
 // stream; then L1 and L2 on the peers' rows; then L2 on the own rows while the peers'
@@ -35,7 +37,8 @@
 // ep_layout.h; ep_layer.cpp runs them. Weight gradients stay on the owner and d
 // topk_weights is per slot: both are bitwise equal to the one-GPU layer's (an expert's rows
 // arrive in the global token order, so the chain sees them as the one-GPU layer does); y
-// and dx add one bf16 rounding per owner (the partial sum).
+// and dx add one bf16 rounding per owner (the partial sum), except with the epilogue
+// combine.
 // A rank that would receive more rows than max_recv_rows makes every rank skip the sends
 // (they all see the same counts) and write NaN into every output, with a capacity error
 // code.
@@ -80,8 +83,8 @@ void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool 
 // runs the chain's FP8 GEMMs on the received rows. Each rank quantizes its x once and the
 // dispatch moves the e4m3 rows and scales, which the owner copies into its sorted rows
 // (with Group::fp8_bf16_dispatch: the bf16 rows, each received token quantized once into
-// its rows on the owner; the same bits). Always the default path (neither the epilogue
-// combine nor the overlapped dispatch, which are bf16 only).
+// its rows on the owner; the same bits). The epilogue combine applies as in bf16; the
+// overlapped dispatch does not (bf16 only).
 void forward(const Group& g, const __nv_bfloat16* x, const void* topk_ids, bool ids_are_int64,
              const float* topk_weights, const chain::Experts& experts, int64_t T,
              __nv_bfloat16* y, __nv_bfloat16* saved_h, void* workspace, size_t workspace_size,

@@ -100,8 +100,10 @@ CallWorkspace carve_call(WorkspaceCarver& c, const Group& g, int64_t T, int64_t 
     w.identity = c.take<int32_t>(R);
     w.dp_rows = c.take<float>(R);
     // The bf16 weight gradients gather into token_rows: the overlapped backward keeps the
-    // dx rows apart, so that their send can run beside them (R x H bf16 more).
-    const bool separate_dx_rows = g.overlap_backward && precision == chain::Precision::kBf16;
+    // dx rows apart, so that their send can run beside them (R x H bf16 more), unless the
+    // epilogue combine sends them from the L1 dgrad's epilogue (no dx rows here).
+    const bool separate_dx_rows =
+        g.overlap_backward && !g.epilogue_combine && precision == chain::Precision::kBf16;
     w.backward = chain::carve_backward(c, R, received_tokens, e_local, g.hidden, I,
                                        pass == Pass::kBackwardSavedH, precision,
                                        separate_dx_rows);

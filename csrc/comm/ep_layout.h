@@ -78,7 +78,7 @@ struct BufferLayout {
   size_t combine_dp;         // fp32 [T * k] d topk_weights of each slot (backward)
   // epilogue_combine only (0 bytes otherwise):
   size_t recv_row_dest;      // int32 [R] (source * T + token) * k + slot of each row here
-  size_t combine_slot_rows;  // bf16 [T * k, H] each slot's L2 row, stored by its owner
+  size_t combine_slot_rows;  // bf16 [T * k, H] each slot's L2 (backward: dx) row, from its owner
   size_t combine_slot_done;  // uint32 [T * k] columns of the slot's row stored so far
   int32_t epilogue_combine;
   int32_t hidden, topk, max_tokens;

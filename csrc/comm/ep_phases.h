@@ -60,15 +60,23 @@ void combine_send(const Call& c, const __nv_bfloat16* rows, const float* row_wei
 void final_combine(const Call& c, __nv_bfloat16* out, float* d_topk_weights,
                    cudaStream_t stream);
 
-// The epilogue combine's step 7 (Group::epilogue_combine), after this rank's L2 has been
-// launched with l2_to_peers(): out [T, H] from the slots' rows that every owner's L2 epilogue
-// stored here, each token reduced once its slots are complete, in the default path's order
-// (per owner in rank order, its slots in slot order, rounded to bf16, then the owners' sum):
-// the same bits as combine_send + final_combine (but for the sign of a zero sum that
-// staged_row_sums.cuh describes). A slot still incomplete after the timeout
-// sets the error word to its owner and phase 'combine rows'. Resets the slots' counters.
+// The epilogue combine's step 7 (Group::epilogue_combine), after this rank's L2 (backward:
+// L1 dgrad) has been launched to its slots (slot_rows_to_peers in ep_layer.cpp): out [T, H]
+// from the slots' rows that every owner's epilogue stored here, each token reduced once its
+// slots are complete, as the one-GPU layer's combine does (every valid slot in slot order,
+// in fp32, weighted by topk_weights or, null, by 1; rounded once): the one-GPU layer's y (dx),
+// bit for bit, where the default path adds one bf16 rounding per owner. With
+// d_topk_weights [T, k], also each valid slot's value that its owner's send_slot_dp stored
+// here (0 for an id of -1). A slot still incomplete after the timeout sets the error word to
+// its owner and phase 'combine rows'. Resets the slots' counters.
 void final_combine_slots(const Call& c, const void* topk_ids, bool ids_are_int64,
-                         const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
+                         const float* topk_weights, __nv_bfloat16* out, float* d_topk_weights,
+                         cudaStream_t stream);
+
+// The epilogue combine's backward, before the L1 dgrad sends the dx rows: each received
+// row's d topk_weights (dp_rows [R], by received row) into its slot on its source. Nothing
+// when the call is skipped.
+void send_slot_dp(const Call& c, const float* dp_rows, cudaStream_t stream);
 
 // A timeout of any rank of the group (its mark in this rank's group_failure word,
 // comm::ControlLayout) into this rank's error words, when this rank's own call did not fail:

@@ -12,12 +12,9 @@
 // Each warp works alone on its own ring of kStages stages in shared memory: a stage holds
 // one token's rows over kCols columns (a 512-byte piece a row, at most kMaxRows rows), and
 // the warp sums stage q while the copies of the stages after it are in flight. The rows of
-// a token keep their slot order and each column's fmas run in that order from +0, as in the
-// plain loop over every slot (ep_combine.cu's final_combine_slots_kernel), where a slot of
-// another owner adds 0 * 0. That add changes nothing but a -0 sum, which it makes +0, so
-// the bits are the plain loop's except for one case: a column whose sum is zero after a
-// product that underflowed to -0 (|weight x value| < 2^-150) can end as -0 here and +0
-// there. Matching it cost every send on few SMs 5-17% in each form tried (docs/experiments.md).
+// a token keep their slot order and each column's fmas run in that order from +0, one per
+// row of this owner: another owner's slots are skipped, as the one-GPU combine
+// (combine_rows.cu) skips unused ones.
 #pragma once
 
 #include <cuda_bf16.h>

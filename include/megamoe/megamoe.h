@@ -340,7 +340,11 @@ MEGAMOE_API megamoe_status megamoe_ep_describe_error(int32_t code, char* message
  * [E/W, H, I] BFLOAT16 (this rank's experts), y [T, H] BFLOAT16; T <= max_tokens_per_rank.
  * Each owner rank sums a token's slots there in fp32 and sends one bf16 row, so y differs
  * from megamoe_fused_forward of the same global problem on one GPU by that rounding; it is
- * bitwise reproducible run to run. saved_h: NULL, or BFLOAT16 [max_recv_rows, 2I] that
+ * bitwise reproducible run to run. MEGAMOE_EP_EPILOGUE_COMBINE=1 in the environment (read
+ * when a group is built; every rank must see the same value) sends every slot's row instead
+ * (k x H bf16 per token in the buffer, and at EP=2 with k = 8 about 4x the bytes over
+ * NVLink), and the token's rank sums them as megamoe_fused_forward does: y is then bitwise
+ * megamoe_fused_forward's. saved_h: NULL, or BFLOAT16 [max_recv_rows, 2I] that
  * receives h = [gate | up] of the rows this rank computes, for megamoe_ep_backward in
  * saved mode (same routing). */
 MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
@@ -358,13 +362,15 @@ MEGAMOE_API megamoe_status megamoe_ep_forward(const megamoe_ep_group* group,
  * into (fp32 gradient accumulation); all four required. saved_h: NULL to recompute L1 on
  * the experts' ranks, or the forward's saved_h. d_topk_weights and the weight gradients
  * are bitwise equal to megamoe_fused_backward of the same global problem on one GPU; dx
- * differs by the owners' bf16 partial sums, as y does. MEGAMOE_EP_OVERLAP_BACKWARD=1 in the
+ * differs by the owners' bf16 partial sums, as y does, but with MEGAMOE_EP_EPILOGUE_COMBINE=1,
+ * where the L1 dgrad sends every slot's dx row to the token's rank and dx is bitwise
+ * megamoe_fused_backward's (no dx send then). MEGAMOE_EP_OVERLAP_BACKWARD=1 in the
  * environment (read when a group is used; every rank must see the same value) moves rows
  * on a second stream beside the GEMMs, on the SMs they leave (num_comm_sms): with saved_h,
  * x's rows travel after dy's, beside the dgrad of L2; the dx rows go back beside the weight
  * gradients. The same bits, and max_recv_rows x hidden bf16 more workspace
- * (megamoe_ep_backward_workspace_size counts it), where the dx rows wait apart from the
- * weight gradients' operands. The second stream is made at a rank's first such call, which
+ * (megamoe_ep_backward_workspace_size counts it; none with MEGAMOE_EP_EPILOGUE_COMBINE=1),
+ * where the dx rows wait apart from the weight gradients' operands. The second stream is made at a rank's first such call, which
  * must not be under CUDA graph capture. */
 MEGAMOE_API megamoe_status megamoe_ep_backward(
     const megamoe_ep_group* group, const megamoe_tensor* dy, const megamoe_tensor* x,
@@ -385,9 +391,9 @@ MEGAMOE_API megamoe_status megamoe_ep_backward(
  * moves bf16 rows (its weight gradients quantize their operands per 128 tokens from them),
  * which each owner quantizes once per received token. d_topk_weights and the weight
  * gradients are bitwise equal to megamoe_fused_fp8_backward's on the same global problem; y
- * and dx differ from megamoe_fused_fp8_* by the owners' bf16 partial sums, as in bf16. The
- * forward runs the default path whatever MEGAMOE_EP_EPILOGUE_COMBINE and
- * MEGAMOE_EP_OVERLAP_DISPATCH say. MEGAMOE_EP_FP8_BF16_DISPATCH=1 in the environment (read
+ * and dx differ from megamoe_fused_fp8_* by the owners' bf16 partial sums, as in bf16, or
+ * with MEGAMOE_EP_EPILOGUE_COMBINE=1 are bitwise theirs, as in bf16. The forward ignores
+ * MEGAMOE_EP_OVERLAP_DISPATCH. MEGAMOE_EP_FP8_BF16_DISPATCH=1 in the environment (read
  * when a group is used, the same on every rank) makes the forward move bf16 rows and the
  * owners quantize them, for an A/B: the same bits, a smaller workspace.
  * MEGAMOE_EP_OVERLAP_BACKWARD=1 works as in megamoe_ep_backward, with no more workspace

@@ -4,10 +4,11 @@
 // backward (recompute and saved mode) on it and compares them with
 //   - the EP=1 layer on GPU 0 (one rank, every expert): d topk_weights, the bf16 weight
 //     gradients and the saved mode's fp32 accumulators bitwise; y and dx bitwise against
-//     the EP=1 layer's per-owner parts (below);
+//     the EP=1 layer's per-owner parts (below), but with the epilogue combine;
 //   - the one-GPU fused layer: d topk_weights and weight gradients bitwise, y and dx
-//     within 5e-3 (one bf16 rounding per owner rank), and the forward against the float64
-//     CPU reference;
+//     within 5e-3 (one bf16 rounding per owner rank), or bitwise with the epilogue combine
+//     (which folds every slot's row on the token's rank, as the one-GPU layer does), and
+//     the forward against the float64 CPU reference;
 //   - its own first call: later calls on the same buffers bitwise equal.
 // Every rank has the same number of tokens unless uneven_tokens_ says otherwise; a rank with
 // none gives the layer null token tensors, as torch does for empty ones.
@@ -16,7 +17,7 @@
 // the own rows' chain, (FP8) its bf16 dispatch, or the backward's dx send beside its weight
 // gradients (the Group fields of the same names); the EP=1
 // references stay on the default path, so the comparisons above also say that the paths give
-// the same bits.
+// the same bits (the epilogue combine's y and dx: the one-GPU layer's).
 // Owner o's partial row of a token is the sum over its slots on o, rounded once to bf16:
 // what the EP=1 layer gives with every slot on another rank's expert set to -1 (a row's
 // GEMM results do not depend on the other rows). The source sums the partials in rank order
@@ -50,9 +51,10 @@ constexpr int64_t kLongTimeoutNs = 10'000'000'000;
 enum class Routing { kRandom, kAllOnLastRank };
 
 // The EP forward's paths, by their Group switches (docs/expert-parallel.md, "Forward
-// overlap"); every one must give the default path's bits. The overlapped ones also send the
-// backward's dx rows beside its weight gradients (Group::overlap_backward), as a user who
-// turns on both switches runs them.
+// overlap"); every one must give the default path's bits, but the epilogue combine's y and
+// dx, which must be the one-GPU layer's (docs/expert-parallel.md, "Bits"). The overlapped ones
+// also send the backward's dx rows beside its weight gradients (Group::overlap_backward), as
+// a user who turns on both switches runs them.
 enum EpPath { kDefault = 0, kEpilogueCombine = 1, kOverlapDispatch = 2, kOverlapAndEpilogue = 3 };
 inline const char* const kEpPathNames[] = {"Default", "EpilogueCombine", "OverlapDispatch",
                                            "Overlap_EpilogueCombine"};
@@ -143,6 +145,17 @@ class EpLayerTest : public RanksTest {
     std::vector<T> h(count);
     EXPECT_EQ(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
     return h;
+  }
+  // One call's part of every rank's array of per-call outputs (elements [call * per_rank,
+  // (call + 1) * per_rank) of bufs[r]), in rank order: that call's global output.
+  template <class T, class Buf>
+  std::vector<T> gather_call(const std::vector<Buf*>& bufs, int call, int64_t per_rank) {
+    std::vector<T> out;
+    for (const Buf* b : bufs) {
+      const std::vector<T> part = download<T>(b + call * per_rank, per_rank);
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
   }
 
   // The global problem of every rank's tokens, in rank order, and every rank's part of it on
@@ -257,16 +270,21 @@ class EpLayerTest : public RanksTest {
                          rk.workspace, rk.workspace_size, streams_[r]);
   }
 
-  // Rank r's backward: recompute mode into bf16 dw1, dw2 (dx and dw1 poisoned first unless
-  // !nan_first, which leaves the outputs as they are), or saved mode added into acc1, acc2
-  // (zeroed first).
-  void launch_backward(int r, bool saved, bool nan_first = true) {
+  // Rank r's backward: recompute mode into bf16 dw1, dw2, or saved mode added into acc1,
+  // acc2 (zeroed first); with the rank's ids or `ids`, into its dx and dp or `dx` and `dp`.
+  // dx, dp and dw1 are poisoned first unless !nan_first, which leaves them as they are.
+  void launch_backward(int r, bool saved, const int32_t* ids = nullptr,
+                       __nv_bfloat16* dx = nullptr, float* dp = nullptr, bool nan_first = true) {
     const OnRank on = on_rank(r);
     Rank& rk = ranks_[r];
     const int64_t e = e_local_, H = this->H(), I = this->I();
+    if (dx == nullptr) dx = rk.dx;
+    if (dp == nullptr) dp = rk.dp;
+    const int64_t T = rank_tokens_[r];
     if (nan_first) {
-      if (rk.dx) {
-        CUDA_OK(cudaMemsetAsync(rk.dx, 0xFF, rank_tokens_[r] * H * 2, streams_[r]));
+      if (T > 0) {
+        CUDA_OK(cudaMemsetAsync(dx, 0xFF, T * H * 2, streams_[r]));
+        CUDA_OK(cudaMemsetAsync(dp, 0xFF, T * k() * 4, streams_[r]));
       }
       CUDA_OK(cudaMemsetAsync(rk.dw1, 0xFF, e * 2 * I * H * 2, streams_[r]));
     }
@@ -275,8 +293,8 @@ class EpLayerTest : public RanksTest {
     using megamoe::chain::WeightGrad;
     const WeightGrad g1 = saved ? WeightGrad::of(rk.acc1, true) : WeightGrad::of(rk.dw1, false);
     const WeightGrad g2 = saved ? WeightGrad::of(rk.acc2, true) : WeightGrad::of(rk.dw2, false);
-    megamoe::ep::backward(rk.g, rk.dy, rk.x, rk.ids, false, rk.weights, rk.w1, rk.w2,
-                          rank_tokens_[r], I, saved ? rk.saved_h : nullptr, rk.dx, rk.dp, g1, g2,
+    megamoe::ep::backward(rk.g, rk.dy, rk.x, ids ? ids : rk.ids, false, rk.weights, rk.w1,
+                          rk.w2, T, I, saved ? rk.saved_h : nullptr, dx, dp, g1, g2,
                           rk.bwd_workspace, rk.bwd_workspace_size, streams_[r]);
   }
 
@@ -450,12 +468,14 @@ class EpLayerTest : public RanksTest {
     return out;
   }
 
-  // The one-GPU fused layer (forward, backward in recompute mode) on the whole problem.
-  SingleRank one_gpu() {
+  // The one-GPU fused layer (forward, backward in recompute mode) on the whole problem, with
+  // the problem's ids or `ids`.
+  SingleRank one_gpu(const std::vector<int32_t>* ids = nullptr) {
     const int64_t T = T_all(), H = this->H(), I = this->I(), E = p_.d.E, k = this->k();
     EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
     megamoe_tensor gx = dense_tensor(upload_on(0, x_), MEGAMOE_DTYPE_BFLOAT16, {T, H});
-    megamoe_tensor gids = dense_tensor(upload_on(0, ids_), MEGAMOE_DTYPE_INT32, {T, k});
+    megamoe_tensor gids =
+        dense_tensor(upload_on(0, ids != nullptr ? *ids : ids_), MEGAMOE_DTYPE_INT32, {T, k});
     megamoe_tensor gp = dense_tensor(upload_on(0, weights_), MEGAMOE_DTYPE_FLOAT32, {T, k});
     megamoe_tensor gw1 = dense_tensor(upload_on(0, w1_), MEGAMOE_DTYPE_BFLOAT16, {E, 2 * I, H});
     megamoe_tensor gw2 = dense_tensor(upload_on(0, w2_), MEGAMOE_DTYPE_BFLOAT16, {E, H, I});
@@ -491,6 +511,10 @@ class EpLayerTest : public RanksTest {
     if (!expect_capacity) {
       ep1 = single_rank(ids_, true);
       owner_sums(ids_, expected_y, expected_dx);
+      if (epilogue_combine_) {
+        expected_y = fused.y;
+        expected_dx = fused.dx;
+      }
     }
 
     std::vector<uint16_t> first_y;
@@ -524,7 +548,8 @@ class EpLayerTest : public RanksTest {
         continue;
       }
       first_y = got;
-      EXPECT_EQ(got, expected_y) << "EP=" << W << " y differs from the EP=1 owners' sum";
+      EXPECT_EQ(got, expected_y) << "EP=" << W << " y differs from the "
+                                 << (epilogue_combine_ ? "one-GPU layer's" : "EP=1 owners' sum");
       const std::vector<double> y = decode(got);
       const double vs_one_gpu = rel_error(y, decode(fused.y));
       Tensor y_ref(MEGAMOE_DTYPE_FLOAT64, {T_all, H});
@@ -561,7 +586,9 @@ class EpLayerTest : public RanksTest {
       const auto acc2_all = gather<float>(&Rank::acc2, e * H * I);
       if (call == 0) {
         first_dx = dx_all;
-        EXPECT_EQ(dx_all, expected_dx) << "EP=" << W << " dx differs from the EP=1 owners' sum";
+        EXPECT_EQ(dx_all, expected_dx)
+            << "EP=" << W << " dx differs from the "
+            << (epilogue_combine_ ? "one-GPU layer's" : "EP=1 owners' sum");
         const double vs_one_gpu = rel_error(decode(dx_all), decode(fused.dx));
         std::printf("  backward dx vs one GPU: %.3e\n", vs_one_gpu);
         EXPECT_LT(vs_one_gpu, kEpVsOneGpu);

@@ -1,24 +1,28 @@
 // The expert-parallel protocols on one GPU: EP=2, 4 and 8 with the ranks emulated on GPU 0
 // (RanksTest::emulate: each rank's own buffers, stream and share of the SMs; skipped
 // without a GPU). The cases of test_ep_layer.cpp, forward and both backward modes, bitwise
-// against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back calls on the
-// same buffers alternating two routings; ranks with different numbers of tokens, one with
-// none; the first failure's error word after a good call; and a peer that stops calling
-// before each phase of the forward or the backward: every other rank's error names it and
-// the phase, after the timeout, instead of a hang, and its outputs are NaN; a peer that is
-// only late, whose outputs are NaN too (the group's failure word).
-// Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"), whose y
-// must have the same bits: the default one (.../EP2, .../EP8); the epilogue combine, where
-// L2's epilogue stores each row into its source's slot and the source reduces there
-// (..._EpilogueCombine); the dispatch beside L1 and L2 on the own rows, read from x in place,
-// with the backward's dx send beside its weight gradients (..._OverlapDispatch); and both
-// (..._Overlap_EpilogueCombine).
+// against the EP=1 layer where ep_layer_test_util.h says so; 200 back-to-back forwards and
+// 40 back-to-back forward + backward pairs on the same buffers, alternating two routings;
+// ranks with different numbers of tokens, one with none; the first failure's error word
+// after a good call; and a peer that stops calling before each phase of the forward or the
+// backward: every other rank's error names it and the phase, after the timeout, instead of
+// a hang, and its outputs are NaN; a peer that is only late, whose outputs are NaN too (the
+// group's failure word).
+// Every case runs on each forward path (docs/expert-parallel.md, "Forward overlap"): the
+// default one (.../EP2, .../EP8); the epilogue combine, where L2's epilogue stores each row
+// into its source's slot and the source folds them there as the one-GPU layer does, the
+// backward's L1 dgrad its dx rows likewise, so that y and dx are the one-GPU layer's bit for
+// bit (..._EpilogueCombine); the dispatch beside L1 and L2 on the own rows, read from x in
+// place, with the backward's dx send beside its weight gradients (..._OverlapDispatch), whose
+// y and dx have the default path's bits; and both (..._Overlap_EpilogueCombine), whose y and
+// dx are the one-GPU layer's.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -62,6 +66,18 @@ class EpEmulated : public megamoe_test::EpLayerTest,
     }
     return peer_error;
   }
+  // How many of the calls 0 .. calls - 1 are not `good`, and the first of them (-1: none).
+  template <class Good>
+  static std::pair<int, int> wrong_calls(int calls, Good good) {
+    int wrong = 0, first = -1;
+    for (int call = 0; call < calls; ++call) {
+      if (good(call)) continue;
+      ++wrong;
+      if (first < 0) first = call;
+    }
+    return {wrong, first};
+  }
+
   // The calls launched at `start` came back within about one timeout: after the first wait
   // that times out, every other wait of the group gives up at once (its failure word) rather
   // than waiting a whole timeout per phase.
@@ -145,9 +161,11 @@ TEST_P(EpEmulated, NarrowL2Tiles) {
   check(80, 384, 128, 8, 2, Routing::kRandom, 0.05, 80 * 2 * world_, megamoe_test::fresh_seed());
 }
 
-// This path and the default one on the same problem: the same y, bit for bit, at EP=W,
-// and at EP=1 (one rank sending every row to itself).
-TEST_P(EpEmulated, GivesTheDefaultPathsBits) {
+// This path and the default one on the same problem, at EP=W and at EP=1 (one rank sending
+// every row to itself): the overlapped dispatch alone gives the default path's y, bit for
+// bit; with the epilogue combine, y is the one-GPU layer's bit for bit, where the default
+// path's differs by its per-owner roundings.
+TEST_P(EpEmulated, PathBits) {
   const bool epilogue = epilogue_combine_, overlap = overlap_dispatch_;
   if (!epilogue && !overlap) GTEST_SKIP() << "compares another path with the default one";
   const uint64_t seed = megamoe_test::fresh_seed();
@@ -165,10 +183,19 @@ TEST_P(EpEmulated, GivesTheDefaultPathsBits) {
     expect_no_errors(on ? "this path" : "default path");
     y[on] = gather<uint16_t>(&Rank::y, tokens * H);
   }
-  EXPECT_EQ(y[1], y[0]) << "EP=" << W << ": y differs from the default path's";
-  const SingleRank ep1_default = single_rank(ids_, false);
   const SingleRank ep1_this = single_rank(ids_, false, epilogue, overlap);
-  EXPECT_EQ(ep1_this.y, ep1_default.y) << "EP=1: y differs from the default path's";
+  if (epilogue) {
+    const SingleRank fused = one_gpu();
+    EXPECT_EQ(y[1], fused.y) << "EP=" << W << ": y differs from the one-GPU layer's";
+    EXPECT_EQ(ep1_this.y, fused.y) << "EP=1: y differs from the one-GPU layer's";
+    // k = 4 slots over 16 experts on W ranks: most tokens have slots on two owners, where the
+    // default path rounds twice (a check that the comparison above can fail).
+    EXPECT_NE(y[0], fused.y) << "EP=" << W << ": the default path gave the one-GPU layer's y";
+  } else {
+    EXPECT_EQ(y[1], y[0]) << "EP=" << W << ": y differs from the default path's";
+    const SingleRank ep1_default = single_rank(ids_, false);
+    EXPECT_EQ(ep1_this.y, ep1_default.y) << "EP=1: y differs from the default path's";
+  }
 }
 
 TEST_P(EpEmulated, EveryTokenOnOneRank) {
@@ -229,6 +256,14 @@ TEST_P(EpEmulated, TheFirstFailureOutlastsAGoodCall) {
   }
 }
 
+// Each token's experts shifted alike (still distinct), by an amount that varies by token.
+std::vector<int32_t> shifted_ids(std::vector<int32_t> ids, int64_t E, int64_t k) {
+  for (size_t s = 0; s < ids.size(); ++s) {
+    if (ids[s] >= 0) ids[s] = static_cast<int32_t>((ids[s] + 1 + (s / k) % (E - 1)) % E);
+  }
+  return ids;
+}
+
 // No host sync between the calls, so ranks run ahead of each other as far as the phases let
 // them; the two routings give every other counts exchange other counts (the two slots of the
 // counts matrix).
@@ -240,14 +275,16 @@ TEST_P(EpEmulated, ManyBackToBackCalls) {
   constexpr int kCalls = 200;
   prepare(tokens, H, I, E, k, Routing::kRandom, 0.05, tokens * k * W, seed);
   if (HasFatalFailure()) return;
-  // Each token's experts shifted alike (still distinct), by an amount that varies by token.
-  std::vector<int32_t> shifted = ids_;
-  for (size_t s = 0; s < shifted.size(); ++s) {
-    if (shifted[s] >= 0) shifted[s] = static_cast<int32_t>((shifted[s] + 1 + (s / k) % (E - 1)) % E);
-  }
+  const std::vector<int32_t> shifted = shifted_ids(ids_, E, k);
+  // The epilogue combine's y is the one-GPU layer's, the other paths' the EP=1 owners' sum.
   std::vector<uint16_t> expected[2], unused;
-  owner_sums(ids_, expected[0], unused);
-  owner_sums(shifted, expected[1], unused);
+  if (epilogue_combine_) {
+    expected[0] = one_gpu().y;
+    expected[1] = one_gpu(&shifted).y;
+  } else {
+    owner_sums(ids_, expected[0], unused);
+    owner_sums(shifted, expected[1], unused);
+  }
 
   std::vector<const int32_t*> other_ids(W);
   std::vector<__nv_bfloat16*> ys(W);  // [kCalls, tokens, H] per rank
@@ -281,20 +318,66 @@ TEST_P(EpEmulated, ManyBackToBackCalls) {
     const uint32_t combines = epilogue_combine_ ? 0 : kCalls;
     EXPECT_EQ(generations, (std::vector<uint32_t>{kCalls, kCalls, combines})) << "rank " << r;
   }
-  int wrong = 0, first_wrong = -1;
-  for (int call = 0; call < kCalls; ++call) {
-    std::vector<uint16_t> y(W * tokens * H);
-    for (int r = 0; r < W; ++r) {
-      const std::vector<uint16_t> part = download<uint16_t>(ys[r] + call * tokens * H, tokens * H);
-      std::copy(part.begin(), part.end(), y.begin() + r * tokens * H);
-    }
-    if (y != expected[call % 2]) {
-      ++wrong;
-      if (first_wrong < 0) first_wrong = call;
+  const auto [wrong, first_wrong] = wrong_calls(kCalls, [&](int call) {
+    return gather_call<uint16_t>(ys, call, tokens * H) == expected[call % 2];
+  });
+  EXPECT_EQ(wrong, 0) << "calls whose y differs from the "
+                      << (epilogue_combine_ ? "one-GPU layer's" : "EP=1 owners' sum")
+                      << ", the first: " << first_wrong;
+}
+
+// Forward then backward, call after call with no host sync, alternating two routings: the
+// backward's buffers (on the epilogue paths its d topk_weights and dx slots and their
+// counters) reused while the ranks run ahead of each other, from a forward to its backward
+// and from one backward to the next. Every call's dx and d topk_weights as expected.
+TEST_P(EpEmulated, ManyBackToBackBackwards) {
+  const uint64_t seed = megamoe_test::fresh_seed();
+  SEEDED(seed);
+  const int W = world_;
+  const int64_t tokens = 48, H = 256, I = 128, E = 16, k = 2;
+  constexpr int kCalls = 40;
+  prepare(tokens, H, I, E, k, Routing::kRandom, 0.05, tokens * k * W, seed);
+  if (HasFatalFailure()) return;
+  const std::vector<int32_t> shifted = shifted_ids(ids_, E, k);
+  // dx: the one-GPU layer's on the epilogue paths, the EP=1 owners' sum on the others; d
+  // topk_weights: the one-GPU layer's on every path.
+  std::vector<uint16_t> expected_dx[2], unused;
+  std::vector<float> expected_dp[2];
+  for (int i = 0; i < 2; ++i) {
+    const SingleRank fused = one_gpu(i ? &shifted : nullptr);
+    expected_dp[i] = fused.dp;
+    if (epilogue_combine_) {
+      expected_dx[i] = fused.dx;
+    } else {
+      owner_sums(i ? shifted : ids_, unused, expected_dx[i]);
     }
   }
-  EXPECT_EQ(wrong, 0) << "calls whose y differs from the EP=1 owners' sum, the first: "
-                      << first_wrong;
+  std::vector<const int32_t*> other_ids(W);
+  std::vector<__nv_bfloat16*> dxs(W);  // [kCalls, tokens, H] per rank
+  std::vector<float*> dps(W);          // [kCalls, tokens, k] per rank
+  for (int r = 0; r < W; ++r) {
+    other_ids[r] = upload_part(r, shifted, tokens * k);
+    dxs[r] = static_cast<__nv_bfloat16*>(alloc_on(device_of(r), kCalls * tokens * H * 2));
+    dps[r] = static_cast<float*>(alloc_on(device_of(r), kCalls * tokens * k * 4));
+  }
+  for (int call = 0; call < kCalls; ++call) {
+    for (int r = 0; r < W; ++r) {
+      const int32_t* ids = call % 2 ? other_ids[r] : nullptr;
+      launch_forward(r, false, ids);
+      launch_backward(r, false, ids, dxs[r] + call * tokens * H, dps[r] + call * tokens * k);
+    }
+  }
+  sync_ranks();
+  expect_no_errors("after the calls");
+  const auto [wrong, first_wrong] = wrong_calls(kCalls, [&](int call) {
+    const std::vector<float> dp = gather_call<float>(dps, call, tokens * k);
+    const std::vector<float>& want_dp = expected_dp[call % 2];
+    return gather_call<uint16_t>(dxs, call, tokens * H) == expected_dx[call % 2] &&
+           std::memcmp(dp.data(), want_dp.data(), dp.size() * 4) == 0;
+  });
+  EXPECT_EQ(wrong, 0) << "calls whose dx or d topk_weights differ from "
+                      << (epilogue_combine_ ? "the one-GPU layer's" : "the expected")
+                      << ", the first: " << first_wrong;
 }
 
 // The last rank goes as far as the phase before `stop` (stop_before) and never makes the
@@ -329,16 +412,19 @@ TEST_P(EpEmulated, AMissingPeerIsATimeoutNamingRankAndPhase) {
 }
 
 // The same in the backward: every rank runs a forward, then the last rank stops before a
-// phase of the backward, which the others call with a short timeout (the backward's combine
-// is a phase on every path).
+// phase of the backward, which the others call with a short timeout. With the epilogue
+// combine, a peer past the dispatch phase that never runs its L1 dgrad is missed where each
+// rank waits for its slots' dx rows: phase 'combine rows'.
 TEST_P(EpEmulated, AMissingPeerInTheBackwardIsATimeoutNamingRankAndPhase) {
   const uint64_t seed = megamoe_test::fresh_seed();
   SEEDED(seed);
   const int W = world_, missing = W - 1;
-  const int64_t tokens = 32, E = 2 * W, k = 2;
+  const int64_t tokens = epilogue_combine_ ? 64 : 32, E = 2 * W, k = 2;
   constexpr int64_t kShortNs = 300'000'000;
   const std::pair<Phase, const char*> stops[] = {
-      {Phase::kCounts, "counts"}, {Phase::kDispatch, "dispatch"}, {Phase::kCombine, "combine"}};
+      {Phase::kCounts, "counts"},
+      {Phase::kDispatch, "dispatch"},
+      {Phase::kCombine, epilogue_combine_ ? "combine rows" : "combine"}};
   for (const auto& [stop, name] : stops) {
     SCOPED_TRACE(std::string("the peer stops before the backward's phase ") + name);
     prepare(tokens, 256, 128, E, k, Routing::kRandom, 0.0, tokens * k * W, seed);
@@ -353,7 +439,7 @@ TEST_P(EpEmulated, AMissingPeerInTheBackwardIsATimeoutNamingRankAndPhase) {
       ranks_[r].g.timeout_ns = kShortNs;
       // No NaN fill: the outputs hold zeros from their allocation, so only the failed
       // call's poison can make them NaN.
-      launch_backward(r, false, /*nan_first=*/false);
+      launch_backward(r, false, nullptr, nullptr, nullptr, /*nan_first=*/false);
     }
     sync_ranks();
     expect_one_timeout(start, kShortNs);

@@ -15,7 +15,9 @@
 // dispatch (x quantized on its rank, e4m3 rows and scales moved) and with the bf16 one
 // (Group::fp8_bf16_dispatch: the owner quantizes the bf16 rows it receives), and a third time
 // with the backward's dx send beside its weight gradients (Group::overlap_backward); the EP=1
-// references always take the default paths, so every path must give their bits.
+// references always take the default paths, so every path must give their bits. "fp8" and
+// "fp8_bwd" run once more with the epilogue combine (Group::epilogue_combine), whose y and dx
+// must be the one-GPU FP8 layer's, bit for bit (docs/expert-parallel.md, "Bits").
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -40,23 +42,40 @@ struct Fp8Copy {
   void *q = nullptr, *q_t = nullptr, *scales = nullptr;
 };
 
-// The precision, and for "fp8" the forward's dispatch or the backward's overlap.
-enum Fp8Case { kFp8 = 0, kFp8Bwd = 1, kFp8Bf16Dispatch = 2, kFp8OverlapBackward = 3 };
-const char* const kFp8CaseNames[] = {"Fp8", "Fp8Bwd", "Fp8_Bf16Dispatch", "Fp8_OverlapBackward"};
+// The precision, and for "fp8" the forward's dispatch or the backward's overlap; either
+// precision with the epilogue combine.
+enum Fp8Case {
+  kFp8 = 0,
+  kFp8Bwd = 1,
+  kFp8Bf16Dispatch = 2,
+  kFp8OverlapBackward = 3,
+  kFp8EpilogueCombine = 4,
+  kFp8BwdEpilogueCombine = 5
+};
+const char* const kFp8CaseNames[] = {"Fp8",
+                                     "Fp8Bwd",
+                                     "Fp8_Bf16Dispatch",
+                                     "Fp8_OverlapBackward",
+                                     "Fp8_EpilogueCombine",
+                                     "Fp8Bwd_EpilogueCombine"};
 
 // Parameters: the emulated world size, the case.
 class EpFp8Emulated : public megamoe_test::EpLayerTest,
                       public ::testing::WithParamInterface<std::tuple<int, int>> {
  protected:
   void SetUp() override {
-    fp8_bf16_dispatch_ = std::get<1>(GetParam()) == kFp8Bf16Dispatch;
-    overlap_backward_ = std::get<1>(GetParam()) == kFp8OverlapBackward;
+    const int c = std::get<1>(GetParam());
+    fp8_bf16_dispatch_ = c == kFp8Bf16Dispatch;
+    overlap_backward_ = c == kFp8OverlapBackward;
+    epilogue_combine_ = c == kFp8EpilogueCombine || c == kFp8BwdEpilogueCombine;
     // The backward overlap's side streams made with the ranks' own (kQueuePerEmulatedRank):
     // one the library made at a later call could share a hardware queue with another rank's.
     emulate(std::get<0>(GetParam()), overlap_backward_);
   }
   // The forward in FP8 ("fp8") or bf16 ("fp8_bwd").
-  bool forward_fp8() const { return std::get<1>(GetParam()) != kFp8Bwd; }
+  bool forward_fp8() const {
+    return std::get<1>(GetParam()) != kFp8Bwd && std::get<1>(GetParam()) != kFp8BwdEpilogueCombine;
+  }
   Precision precision() const { return forward_fp8() ? Precision::kFp8 : Precision::kFp8Backward; }
 
   Fp8Copy quantize(const void* w, int64_t E, int64_t N, int64_t K) {
@@ -158,6 +177,12 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
     const SingleRank ep1 = single_rank(ids_, true, false, false, &global_);
     std::vector<uint16_t> expected_y, expected_dx;
     owner_sums(ids_, expected_y, expected_dx, &global_);
+    if (epilogue_combine_) {  // every slot's row folded on its token's rank, as on one GPU
+      expected_y = fused.y;
+      expected_dx = fused.dx;
+    }
+    const char* expected_name =
+        epilogue_combine_ ? "the one-GPU FP8 layer's" : "the EP=1 FP8 owners' sum";
     const int64_t e = e_local_;
     gate_up_.clear();
     down_.clear();
@@ -223,7 +248,7 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
                 forward_fp8() ? "fp8" : "fp8_bwd", long(tokens), long(H), long(I), long(E), long(k),
                 y_err);
     EXPECT_LT(y_err, megamoe_test::kEpVsOneGpu);
-    EXPECT_EQ(y, expected_y) << "EP=" << W << " y differs from the EP=1 FP8 owners' sum";
+    EXPECT_EQ(y, expected_y) << "EP=" << W << " y differs from " << expected_name;
     EXPECT_EQ(forward(false), y) << "a second forward on the same buffers differs from the first";
 
     // Recompute mode, saved mode (bf16 weight gradients: the same as recompute mode's), saved
@@ -242,7 +267,7 @@ class EpFp8Emulated : public megamoe_test::EpLayerTest,
       std::printf("  backward (%s%s) dx vs one GPU %.3e\n", saved ? "saved" : "recompute",
                   fp32 ? ", fp32" : "", dx_err);
       EXPECT_LT(dx_err, megamoe_test::kEpVsOneGpu);
-      EXPECT_EQ(dx, expected_dx) << "EP=" << W << " dx differs from the EP=1 FP8 owners' sum";
+      EXPECT_EQ(dx, expected_dx) << "EP=" << W << " dx differs from " << expected_name;
       EXPECT_EQ(std::memcmp(dp.data(), fused.dp.data(), dp.size() * 4), 0)
           << "d topk_weights differs from the one-GPU FP8 layer";
       EXPECT_EQ(std::memcmp(dp.data(), ep1.dp.data(), dp.size() * 4), 0)
@@ -305,7 +330,9 @@ TEST_P(EpFp8Emulated, UnevenTokensAndARankWithNone) {
 INSTANTIATE_TEST_SUITE_P(Emulated, EpFp8Emulated,
                          ::testing::Combine(::testing::Values(2, 8),
                                             ::testing::Values(kFp8, kFp8Bwd, kFp8Bf16Dispatch,
-                                                              kFp8OverlapBackward)),
+                                                              kFp8OverlapBackward,
+                                                              kFp8EpilogueCombine,
+                                                              kFp8BwdEpilogueCombine)),
                          [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
                            return "EP" + std::to_string(std::get<0>(info.param)) + "_" +
                                   kFp8CaseNames[std::get<1>(info.param)];

@@ -7,7 +7,8 @@
 // limited number of copy SMs, and the capacity error. Every case
 // runs on each forward path (.../Default, the epilogue combine, where L2's epilogue stores
 // rows into their sources' slots over NVLink, the dispatch beside the own rows' chain with
-// the backward's dx send beside its weight gradients, and both): the same bits.
+// the backward's dx send beside its weight gradients, and both): the default path's bits,
+// but y and dx with the epilogue combine, which are the one-GPU layer's.
 // test_ep_emulated.cpp runs the same cases on ranks emulated on one GPU.
 #include <gtest/gtest.h>
 

@@ -53,6 +53,20 @@ class PeerRowsEpilogue {
     int32_t ld;                // columns of a slot row: the GEMM's n
   };
 
+  // From a PeerRowsOut (gemm.h) and the GEMM's n.
+  template <class Out>
+  static Params params(const Out& out, int64_t n) {
+    Params p{};
+    for (int r = 0; r < kMaxRanks; ++r) p.buffers[r] = out.buffers[r];
+    p.rows_offset = out.rows_offset;
+    p.done_offset = out.done_offset;
+    p.row_dest = out.row_dest;
+    p.skip = out.skip;
+    p.slots_per_rank = static_cast<int32_t>(out.slots_per_rank);
+    p.ld = static_cast<int32_t>(n);
+    return p;
+  }
+
   struct Buffers {
     uint8_t staging[2][64 * kOutCols * 2];
   };

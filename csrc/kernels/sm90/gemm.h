@@ -88,10 +88,14 @@ struct PeerRowsOut {
   char* buffers[kMaxRanks] = {};  // every rank's buffer, as the calling rank sees it
   size_t rows_offset = 0;
   size_t done_offset = 0;
-  const int32_t* row_dest = nullptr;  // device [groups.rows]
+  const int32_t* row_dest = nullptr;  // device, by sorted row (C's rows)
   const int32_t* skip = nullptr;      // device [1]
   int64_t slots_per_rank = 0;
 };
+
+// The checks every _to_peers GEMM makes of its destination, n and A (materialised): an
+// invalid-argument error naming `name`.
+void check_peer_rows_out(const PeerRowsOut& out, int64_t n, bool gathered, const char* name);
 
 // m_grouped_gemm_nt with every output row sent to its slot on another rank (or this one)
 // instead of stored in C (the expert-parallel forward's L2, its epilogue combine; args.c is
@@ -104,6 +108,12 @@ void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& args, const PeerRowsOut&
 // k = 2I, n = H). n: a multiple of 128.
 void m_grouped_gemm_nn(const MGroupedGemmArgs& args, cudaStream_t stream,
                        MnMajorStrides strides = {});
+// m_grouped_gemm_nn with every output row sent as m_grouped_gemm_nt_to_peers sends them (the
+// expert-parallel backward's L1 dgrad with the epilogue combine: the dx rows). A materialised
+// (padded or sorted: row_dest is indexed by the sorted row), n a multiple of 128. The same
+// bits per row as m_grouped_gemm_nn.
+void m_grouped_gemm_nn_to_peers(const MGroupedGemmArgs& args, const PeerRowsOut& out,
+                                cudaStream_t stream);
 
 // Where L1 writes h's rows when they are not C's: row r of expert e's tiles goes to row
 // r + (r < split[e] ? lo[e] : hi[e]) of h (device arrays over the plan's experts; split null:

@@ -51,6 +51,11 @@ struct MGroupedFp8GemmArgs {
 // C[r, :n] = A_r . B_e^T (bf16 C), b = [E * n, k]; n a multiple of 128. E.g. L2 (w_down
 // [E, H, I]) and the dgrad of L1 (W_gate_up^T [E, H, 2I]).
 void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream);
+// m_grouped_fp8_gemm_nt with every output row sent as m_grouped_gemm_nt_to_peers sends them
+// (gemm.h: the expert-parallel epilogue combine's L2 and L1 dgrad). A materialised, n a
+// multiple of 128; the same bits per row as m_grouped_fp8_gemm_nt.
+void m_grouped_fp8_gemm_nt_to_peers(const MGroupedFp8GemmArgs& args, const PeerRowsOut& out,
+                                    cudaStream_t stream);
 
 // L1 with the SwiGLU: as m_grouped_gemm_nt_swiglu, b = w_gate_up [E * 2n, k] (n = I, a
 // multiple of 128), h optional.

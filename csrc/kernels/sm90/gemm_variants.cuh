@@ -47,6 +47,10 @@ using MGroupedGemmNtToPeers =
 template <int kBlockN, bool kGathered>
 using MGroupedGemmNn =
     MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, kGathered, StoreEpilogue<kBlockN>>;
+// The same with its rows sent to their tokens' ranks (m_grouped_gemm_nn_to_peers).
+template <int kBlockN>
+using MGroupedGemmNnToPeers =
+    MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kMN>, false, PeerRowsEpilogue<kBlockN>>;
 template <int kBlockN, bool kGathered>
 using MGroupedGemmNtSwiGLU = MGroupedGemm<MainloopBf16<kBlockN, Major::kK, Major::kK>, kGathered,
                                           SwiGLUSavedHEpilogue<kBlockN>>;
@@ -67,6 +71,10 @@ template <int kBlockN, BColumns kColumns = BColumns::kContiguous>
 using WeightScales = MainloopFp8<BScales::kBlocks128, kColumns, kBlockN>;
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNt = MGroupedGemm<WeightScales<kBlockN>, kGathered, StoreEpilogue<kBlockN>>;
+// The same with its rows sent to their tokens' ranks (m_grouped_fp8_gemm_nt_to_peers).
+template <int kBlockN>
+using MGroupedFp8GemmNtToPeers =
+    MGroupedGemm<WeightScales<kBlockN>, false, PeerRowsEpilogue<kBlockN>>;
 template <int kBlockN, bool kFp8Rows>
 using SwiGLUOutput = std::conditional_t<kFp8Rows, Fp8RowsEpilogue<kBlockN, SwiGLUValues<kBlockN>>,
                                         SwiGLUEpilogue<kBlockN>>;

@@ -1,5 +1,5 @@
-// The M-grouped blockwise-FP8 GEMMs (gemm_fp8.h): m_grouped_fp8_gemm_nt, _nt_swiglu and
-// _nt_swiglu_backward.
+// The M-grouped blockwise-FP8 GEMMs (gemm_fp8.h): m_grouped_fp8_gemm_nt (and _to_peers),
+// _nt_swiglu and _nt_swiglu_backward.
 #include <string>
 #include <type_traits>
 
@@ -89,6 +89,25 @@ void m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& a, cudaStream_t stream) {
                                                  a.c.layout == RowLayout::kPadded);
     launch<Gemm>(a, b, a.n / block_n, 0, epilogue, stream);
   });
+}
+
+void m_grouped_fp8_gemm_nt_to_peers(const MGroupedFp8GemmArgs& a, const PeerRowsOut& out,
+                                    cudaStream_t stream) {
+  const char* name = "m_grouped_fp8_gemm_nt_to_peers";
+  check_peer_rows_out(out, a.n, a.a.gather != nullptr, name);
+  check_fp8(a, name);
+  if (a.groups.rows == 0) return;
+  // The tile width m_grouped_fp8_gemm_nt takes for the same n: the same bits per row.
+  const auto run = [&](auto block_n) {
+    using Gemm = MGroupedFp8GemmNtToPeers<decltype(block_n)::value>;
+    const auto b = Gemm::BLoad::params(a.b.data, a.groups.num_experts * a.n, a.k, a.n);
+    launch<Gemm>(a, b, a.n / block_n, 0, Gemm::Epilogue::params(out, a.n), stream);
+  };
+  if (wide_n(false, a.n)) {
+    run(std::integral_constant<int, 256>{});
+  } else {
+    run(std::integral_constant<int, 128>{});
+  }
 }
 
 namespace {

@@ -1,4 +1,5 @@
-// m_grouped_gemm_nt and m_grouped_gemm_nn: M-grouped GEMMs with C stored in bf16.
+// m_grouped_gemm_nt and m_grouped_gemm_nn: M-grouped GEMMs with C stored in bf16, or each row
+// sent to its slot on its token's rank (_to_peers).
 #include "kernels/common/kernel_preload.h"
 #include "kernels/sm90/gemm.h"
 #include "kernels/sm90/m_grouped_launch.cuh"
@@ -29,6 +30,31 @@ void run_store(const MGroupedGemmArgs& a, bool wide, const char* name, MnMajorSt
   });
 }
 
+// The same GEMMs with every output row sent to its slot on its token's rank (PeerRowsOut)
+// instead of stored in C.
+template <Major kBMajor>
+void run_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out, bool wide,
+                  const char* name, cudaStream_t stream) {
+  check_peer_rows_out(out, a.n, a.a.gather != nullptr, name);
+  check_m_grouped(a, name);
+  if (a.groups.rows == 0) return;
+  const auto run = [&](auto block_n) {
+    constexpr int kBlockN = decltype(block_n)::value;
+    using Gemm = std::conditional_t<kBMajor == Major::kK, MGroupedGemmNtToPeers<kBlockN>,
+                                    MGroupedGemmNnToPeers<kBlockN>>;
+    const int64_t experts = a.groups.num_experts;
+    const auto e = Gemm::Epilogue::params(out, a.n);
+    const auto b = kBMajor == Major::kK ? Gemm::BLoad::params(a.b, experts * a.n, a.k, a.n)
+                                        : Gemm::BLoad::params(a.b, experts * a.k, a.n, a.k);
+    launch_m_grouped<Gemm>(a, b, a.n / kBlockN, e, stream);
+  };
+  if (wide) {
+    run(std::integral_constant<int, 256>{});
+  } else {
+    run(std::integral_constant<int, 128>{});
+  }
+}
+
 [[maybe_unused]] const bool kPreloadable =
     register_kernel_module(&grouped_gemm_kernel<MGroupedGemmNt<128, false>>);
 
@@ -39,40 +65,28 @@ void m_grouped_gemm_nt(const MGroupedGemmArgs& args, cudaStream_t stream) {
                        "m_grouped_gemm_nt", {}, stream);
 }
 
-void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out,
-                                cudaStream_t stream) {
-  const char* name = "m_grouped_gemm_nt_to_peers";
-  if (a.n % 128 != 0 || a.n < 1 || a.n > INT32_MAX / 2) {
+void check_peer_rows_out(const PeerRowsOut& out, int64_t n, bool gathered, const char* name) {
+  if (n % 128 != 0 || n < 1 || n > INT32_MAX / 2) {
     throw_invalid(std::string(name) + ": N must be a positive multiple of 128");
   }
-  if (a.a.gather != nullptr) throw_invalid(std::string(name) + ": A must be materialised");
+  if (gathered) throw_invalid(std::string(name) + ": A must be materialised");
   if (out.row_dest == nullptr || out.skip == nullptr || out.slots_per_rank < 1 ||
       out.slots_per_rank > INT32_MAX || out.rows_offset % 16 || out.done_offset % 4) {
     throw_invalid(std::string(name) + ": bad destination (row_dest, skip, slots, offsets)");
   }
-  check_m_grouped(a, name);
-  if (a.groups.rows == 0) return;
-  const auto run = [&](auto block_n) {
-    constexpr int kBlockN = decltype(block_n)::value;
-    using Gemm = MGroupedGemmNtToPeers<kBlockN>;
-    const int64_t experts = a.groups.num_experts;
-    typename Gemm::Epilogue::Params e{};
-    for (int r = 0; r < PeerRowsOut::kMaxRanks; ++r) e.buffers[r] = out.buffers[r];
-    e.rows_offset = out.rows_offset;
-    e.done_offset = out.done_offset;
-    e.row_dest = out.row_dest;
-    e.skip = out.skip;
-    e.slots_per_rank = static_cast<int32_t>(out.slots_per_rank);
-    e.ld = static_cast<int32_t>(a.n);
-    launch_m_grouped<Gemm>(a, Gemm::BLoad::params(a.b, experts * a.n, a.k, a.n), a.n / kBlockN,
-                           e, stream);
-  };
+}
+
+void m_grouped_gemm_nt_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out,
+                                cudaStream_t stream) {
   // The tile width m_grouped_gemm_nt takes for the same n: the same bits per row.
-  if (MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && a.n % 256 == 0) {
-    run(std::integral_constant<int, 256>{});
-  } else {
-    run(std::integral_constant<int, 128>{});
-  }
+  run_to_peers<Major::kK>(a, out, MEGAMOE_GEMM_MAX_BLOCK_N >= 256 && a.n % 256 == 0,
+                          "m_grouped_gemm_nt_to_peers", stream);
+}
+
+void m_grouped_gemm_nn_to_peers(const MGroupedGemmArgs& a, const PeerRowsOut& out,
+                                cudaStream_t stream) {
+  // The tile width m_grouped_gemm_nn takes for the same n: the same bits per row.
+  run_to_peers<Major::kMN>(a, out, a.n % 256 == 0, "m_grouped_gemm_nn_to_peers", stream);
 }
 
 void m_grouped_gemm_nn(const MGroupedGemmArgs& args, cudaStream_t stream,
