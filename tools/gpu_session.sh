@@ -27,7 +27,8 @@
 #                  both, the backward overlap); EP2_SETS_ONLY=1 skips the tests and the EP=1
 #                  and switches-off rows (a later call's sets)
 #   ep2tests       the EP tests of ep2 alone, with the transformers integration's EP check,
-#                  FP8 under the backward overlap and a peer that dies (ep_dead_peer_check.py)
+#                  FP8 under the backward overlap, the epilogue combine's bitwise check (bf16
+#                  and FP8) and a peer that dies (ep_dead_peer_check.py)
 #   trainep:EP:B:S megamoe-train-bench's config on every GPU of the machine (torchrun), FSDP2,
 #                  parallel.ep EP, backends B (comma-separated), S steps, record
 #                  $TRAIN_NAME-epEP (TRAIN_ARGS: extra arguments)
@@ -107,6 +108,12 @@ ep2_tests() {  # the EP tests on two GPUs
     tests/python/ep_check.py --backend fused --precision fp8
   run ep2-check-overlap.log env MEGAMOE_EP_OVERLAP_DISPATCH=1 MEGAMOE_EP_OVERLAP_BACKWARD=1 \
     "${tr2[@]}" tests/python/ep_check.py --backend fused
+  # The epilogue combine: y and dx must be the one-GPU layer's bits (ep_check.py asks for
+  # them when the switch is on), bf16 with graph replay and FP8.
+  run ep2-check-exact.log env MEGAMOE_EP_EPILOGUE_COMBINE=1 "${tr2[@]}" \
+    tests/python/ep_check.py --backend fused --graph
+  run ep2-check-exact-fp8.log env MEGAMOE_EP_EPILOGUE_COMBINE=1 "${tr2[@]}" \
+    tests/python/ep_check.py --backend fused --precision fp8
   run ep2-hf-check.log "${tr2[@]}" tests/python/hf_ep_check.py --backend fused
   run ep2-dead-peer.log "${tr2[@]}" tests/python/ep_dead_peer_check.py
 }
