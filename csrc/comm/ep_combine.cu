@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
 // valid slot is complete, or gives up after the timeout, when an earlier wait of this rank
 // has failed (the error word is set) or when the group has (its failure word, peer_sync.cuh),
 // so that a dead peer costs one timeout. Then the
-// one-GPU layer's combine (combine_rows.cu), operation for operation: from +0, the fma of
-// every valid slot's row in slot order, in fp32 (backward: weight 1), rounded once to bf16;
+// one-GPU layer's combine (fold_slot_pieces, bf16_row.cuh): from +0, the fma of every valid
+// slot's row in slot order, in fp32 (backward: weight 1), rounded once to bf16;
 // the backward also takes each valid slot's d topk_weights from combine_dp (0 for an id of
 // -1). A row's GEMM results do not depend on where it was computed, so y and dx are bitwise
 // the one-GPU layer's, whatever owners hold the slots; the default path's per-owner
@@ -158,32 +158,18 @@ __global__ void __launch_bounds__(kCopyThreads)
     }
     __syncwarp();  // every lane's reads below after every lane's acquire
 
-    // Every lane runs every pass (the shuffles need the whole warp). Slots in slot order from
-    // +0, a single fma each, the unused ones skipped, kExactBatch rows' loads in flight.
+    // Every lane runs every pass (the shuffles need the whole warp).
     for (int c0 = 0; c0 < H; c0 += 32 * 8) {
       const int c = c0 + lane * 8;
       const bool in_row = c < H;
-      float acc[8] = {};
-      for (int j0 = 0; j0 < k; j0 += kExactBatch) {
-        uint4 v[kExactBatch];
-        float w[kExactBatch];
-        bool used[kExactBatch];
-#pragma unroll
-        for (int b = 0; b < kExactBatch; ++b) {
-          const int j = j0 + b;
-          const int slot_owner = __shfl_sync(0xffffffffu, owner, j % 32);
-          used[b] = j < k && slot_owner >= 0;
-          w[b] = __shfl_sync(0xffffffffu, weight, j % 32);
-          if (used[b] && in_row) {
-            v[b] = *reinterpret_cast<const uint4*>(slot_rows + (t * k + j) * H + c);
-          }
-        }
-#pragma unroll
-        for (int b = 0; b < kExactBatch; ++b) {
-          if (used[b] && in_row) fma_row(acc, w[b], v[b]);
-        }
-      }
-      if (in_row) *reinterpret_cast<uint4*>(out + t * H + c) = pack_row(acc);
+      const uint4 sum = fold_slot_pieces<kExactBatch>(k, [&](int j, float& w, uint4& v) {
+        const int slot_owner = __shfl_sync(0xffffffffu, owner, j % 32);
+        w = __shfl_sync(0xffffffffu, weight, j % 32);
+        const bool used = j < k && slot_owner >= 0 && in_row;
+        if (used) v = *reinterpret_cast<const uint4*>(slot_rows + (t * k + j) * H + c);
+        return used;
+      });
+      if (in_row) *reinterpret_cast<uint4*>(out + t * H + c) = sum;
     }
     if (d_topk_weights != nullptr && lane < k) {
       // Stored by the slot's owner before the rows whose count was acquired above.

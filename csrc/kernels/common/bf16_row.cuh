@@ -28,4 +28,27 @@ __device__ __forceinline__ uint4 pack_row(const float (&acc)[8]) {
   return out;
 }
 
+// A token's k slot rows folded at one 16-byte piece as the one-GPU layer's combine folds
+// them, which fixes the bits of y and dx: from +0, a single fma per used slot in slot order
+// (unused slots skipped), the loads of kGroup slots issued before their fmas, rounded once.
+// slot(j, w, v) says whether slot j is used and, if so, sets its weight w and piece v; it
+// runs for every j of every group (past k too), in order, on every thread alike, so it may
+// shuffle across a warp.
+template <int kGroup, class Slot>
+__device__ __forceinline__ uint4 fold_slot_pieces(int k, Slot&& slot) {
+  float acc[8] = {};
+  for (int j0 = 0; j0 < k; j0 += kGroup) {
+    bool used[kGroup];
+    float w[kGroup];
+    uint4 v[kGroup];
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) used[u] = slot(j0 + u, w[u], v[u]);
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) {
+      if (used[u]) fma_row(acc, w[u], v[u]);
+    }
+  }
+  return pack_row(acc);
+}
+
 }  // namespace megamoe

@@ -79,26 +79,12 @@ __global__ void __launch_bounds__(kThreads)
        t += gridDim.x * rows_per_block) {
     const int32_t* rows = slot_row + t * k;
     for (int64_t v = sub; v < vecs; v += lanes) {
-      float acc[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      for (int j0 = 0; j0 < k; j0 += kCombineGroup) {
-        // Issue the group's loads together, then accumulate in slot order.
-        int32_t row[kCombineGroup];
-        float w[kCombineGroup];
-        uint4 val[kCombineGroup];
-#pragma unroll
-        for (int u = 0; u < kCombineGroup; ++u) {
-          row[u] = j0 + u < k ? __ldg(rows + j0 + u) : -1;
-          w[u] = row[u] >= 0 ? load_weight<kBf16Weights>(weights, t * k + j0 + u) : 0.0f;
-          if (row[u] >= 0) val[u] = __ldg(o + row[u] * vecs + v);
-        }
-#pragma unroll
-        for (int u = 0; u < kCombineGroup; ++u) {
-          if (row[u] >= 0) fma_row(acc, w[u], val[u]);
-        }
-      }
-      y[t * vecs + v] = pack_row(acc);
+      y[t * vecs + v] = fold_slot_pieces<kCombineGroup>(k, [&](int j, float& w, uint4& val) {
+        const int32_t row = j < k ? __ldg(rows + j) : -1;
+        w = row >= 0 ? load_weight<kBf16Weights>(weights, t * k + j) : 0.0f;
+        if (row >= 0) val = __ldg(o + row * vecs + v);
+        return row >= 0;
+      });
     }
   }
 }
