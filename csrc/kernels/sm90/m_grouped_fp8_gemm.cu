@@ -1,5 +1,6 @@
 // The M-grouped blockwise-FP8 GEMMs (gemm_fp8.h): m_grouped_fp8_gemm_nt (and _to_peers),
 // _nt_swiglu and _nt_swiglu_backward.
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -20,6 +21,13 @@ void check_fp8(const MGroupedFp8GemmArgs& a, const std::string& name) {
     throw_invalid(name + ": A and B must be 16-byte aligned");
   }
   if (!a.a.scales || !a.b.scales) throw_invalid(name + ": null A or B scales");
+  // The producer forms B's scale offsets in 32 bits (MainloopFp8::load_extras); 2n rows
+  // bound a gate-up B too.
+  const int64_t last_scale = (a.groups.num_experts - 1) * a.b.s_expert +
+                             (2 * a.n / 128) * a.b.s_n + (a.k / 128) * a.b.s_k;
+  if (last_scale > std::numeric_limits<int32_t>::max()) {
+    throw_invalid(name + ": B's block scales span more than 2^31 floats");
+  }
   // TMA reads A's scales in rows of scale_ld floats: 16-byte strides.
   if (a.a.scale_ld % 4 != 0 || a.a.scale_ld < a.a.rows || reinterpret_cast<uintptr_t>(a.a.scales) % 16) {
     throw_invalid(name + ": A's scale_ld must be a multiple of 4 and at least A's rows, and "

@@ -5,7 +5,7 @@
 // Element, kBlockN, kBlockK (K per stage: 128 bytes of a row), the majors of A and B, the
 // tile bytes of a stage, Tiles<kStages> (its stage storage), Params (its constructor's),
 // kExtraTmaBytes with load_extras() (per-stage loads besides A and B, issued by the
-// producer's TMA thread), kScaled / kBRowScales (which block scales the loaders bring into
+// producer's TMA thread before its arrival on the stage), kScaled / kBRowScales (which block scales the loaders bring into
 // a stage), kConsumerArrivals and mma(). The loaders and the tile scheduler take the element
 // type, kBlockK and the tile bytes from it. Another element type is another file with the
 // same members, chosen in gemm_variants.cuh: mainloop_fp8.cuh is blockwise FP8.
@@ -55,8 +55,8 @@ struct MainloopBf16 {
       : b_lbo_(p.b_lbo), b_sbo_(p.b_sbo) {}
 
   template <int kStages>
-  __device__ __forceinline__ void load_extras(Tiles<kStages>&, int, uint64_t*, const Tile&,
-                                              int) const {}
+  __device__ __forceinline__ static void load_extras(const Params&, Tiles<kStages>&, int,
+                                                     uint64_t*, const Tile&, int) {}
 
   // A stage this warpgroup did not read (it carried a tile without k-blocks): its
   // arrival, as after reading it.

@@ -1,8 +1,8 @@
 // The blockwise-FP8 wgmma mainloop of the grouped GEMM (the DeepSeek-V3 recipe): e4m3 A and
 // B, both K-major, with fp32 scales per 128 of K. A has one scale per row and k-block (1x128
 // blocks), brought into each stage by the A loader. B has either one scale per 128 x 128
-// block of the expert's weight (kBlocks128; read from global memory, one scalar per k-block
-// and 128 columns of the tile), or one per row and k-block like A (kRows: the weight
+// block of the expert's weight (kBlocks128; one scalar per k-block and 128 columns of the
+// tile, which the producer loads into the stage), or one per row and k-block like A (kRows: the weight
 // gradients, whose B is an activation; brought into the stage by the B loader). kRowTiles is
 // kRows with each 128 rows' scales equal (the activation quantized in 128 x 128 tiles, its
 // tile's scale repeated for each row): promoted with one scale per 128 columns, as
@@ -47,7 +47,12 @@ struct MainloopFp8 {
   static constexpr int kBlockK = 128;  // one scale block; 128 bytes of a row
   static constexpr bool kScaled = true;
   static constexpr bool kBRowScales = kBScales != BScales::kBlocks128;  // in the stage
+  // kBlocks128: the stage's two block scales, in a 16-byte slot, where the producer copies
+  // them (kStageBScales); the 256-wide contiguous tiles' producers (tile passing, 40
+  // registers) spill with the copies, so their consumers load the scales from global memory.
   static constexpr int kBRowScaleSlots = kBRowScales ? kBlockN : 4;
+  static constexpr bool kStageBScales =
+      !kBRowScales && !(kBlockN == 256 && kBColumns == BColumns::kContiguous);
   // A's scales of a stage: a TMA box starts at a multiple of 4 rows, up to 3 before the
   // tile's first (sorted rows), so it holds 128 + 4; slots are kept 128-byte aligned.
   static constexpr int kAScaleBox = kBlockM + 4;
@@ -90,12 +95,49 @@ struct MainloopFp8 {
   };
 
   __device__ __forceinline__ explicit MainloopFp8(const Params& p)
-      : b_scales_(p.b_scales), s_expert_(p.s_expert), s_n_(p.s_n), s_k_(p.s_k),
-        up_block_(p.up_block), a_sorted_tma_(p.a_sorted_tma) {}
+      : p_(p) {}
+
+  // kStageBScales: the stage's two B block scales (its 128-column groups'), copied by the
+  // producer's TMA thread into the stage's b_scales slots before its arrival on the stage
+  // (cp.async, tracked by the full barrier), so that the consumers read them from shared
+  // memory with the stage instead of waiting for global loads at their first promotion.
+  // Static, with `p` in the kernel's parameter space: the producer's few registers hold no
+  // copy of the strides.
+  // The offsets of the two block scales of k-block kb of a tile (expert, n_tile) in
+  // p.b_scales, in 32 bits (the host checks that they fit).
+  __device__ __forceinline__ static void block_scale_offsets(const Params& p, int expert,
+                                                             int n_tile, int kb, int (&off)[2]) {
+    const int at = expert * static_cast<int>(p.s_expert) + kb * p.s_k;
+    if constexpr (kBColumns == BColumns::kGateUpHalves) {
+      // Group 0 of a wide tile (the first half of a narrow one) is gate rows, the other up
+      // rows of the same block.
+      const int gate_block = n_tile * (kBlockN / 2) / 128;
+      off[0] = at + gate_block * p.s_n;
+      off[1] = at + (p.up_block + gate_block) * p.s_n;
+    } else {
+      // A narrow contiguous tile lies in one block: its second scale is the first.
+      off[0] = at + n_tile * kHalves * p.s_n;
+      off[1] = off[0] + (kHalves - 1) * p.s_n;
+    }
+  }
 
   template <int kStages>
-  __device__ __forceinline__ void load_extras(Tiles<kStages>&, int, uint64_t*, const Tile&,
-                                              int) const {}
+  __device__ __forceinline__ static void load_extras(const Params& p, Tiles<kStages>& tiles,
+                                                     int stage, uint64_t* full, const Tile& t,
+                                                     int kb) {
+    if constexpr (kStageBScales) {
+      int off[2];
+      block_scale_offsets(p, t.expert, t.n_tile, kb, off);
+      const uint32_t dst = smem_addr(&tiles.b_scales[0][0]) +
+                           stage * uint32_t(sizeof(tiles.b_scales[0]));
+      asm volatile(
+          "cp.async.ca.shared.global [%0], [%1], 4;\n"
+          "cp.async.ca.shared.global [%0+4], [%2], 4;" ::"r"(dst),
+          "l"(p.b_scales + off[0]), "l"(p.b_scales + off[1])
+          : "memory");
+      cp_async_mbarrier_track(full);
+    }
+  }
 
   template <bool kGenericProxyA, int kStages>
   __device__ __forceinline__ void mma(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
@@ -103,32 +145,26 @@ struct MainloopFp8 {
                                       float (&sum)[kAccumulators], int consumer) const {
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) sum[i] = 0.f;
-    // The B scale rows of the tile's 128-column groups. Gate-up tiles: group 0 of a wide tile
-    // (the first half of a narrow one) is gate rows, the other up rows of the same block.
-    const float* b_scales = b_scales_ + t.expert * s_expert_;
-    const float* b_rows[2];
-    if constexpr (kBColumns == BColumns::kGateUpHalves) {
-      const int gate_block = t.n_tile * (kBlockN / 2) / 128;
-      b_rows[0] = b_scales + gate_block * s_n_;
-      b_rows[1] = b_scales + (up_block_ + gate_block) * s_n_;
-    } else {
-      b_rows[0] = b_scales + t.n_tile * kHalves * s_n_;
-      b_rows[1] = b_rows[0] + (kHalves - 1) * s_n_;
+    int b_off[2] = {0, 0};  // k-block 0's (not kStageBScales)
+    if constexpr (!kStageBScales && !kBRowScales) {
+      block_scale_offsets(p_, t.expert, t.n_tile, 0, b_off);
     }
     const int row = Fragment::row0();
-    const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
+    const int a_offset = p_.a_sorted_tma ? t.row0 & 3 : 0;
     const bool warp_leader = threadIdx.x % 32 == 0;
     float partial[kPartials];
     for (int kb = 0; kb < t.k_blocks; ++kb) {
-      float sb[2] = {1.f, 1.f};
-      if constexpr (!kBRowScales) {
-        sb[0] = __ldg(b_rows[0] + kb * s_k_);
-        // A narrow contiguous tile lies in one block: its second scale is the first.
-        constexpr bool kTwoBlocks = kHalves == 2 || kBColumns == BColumns::kGateUpHalves;
-        sb[1] = kTwoBlocks ? __ldg(b_rows[1] + kb * s_k_) : sb[0];
-      }
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       if constexpr (kGenericProxyA) fence_proxy_async_shared();
+      float sb[2] = {1.f, 1.f};
+      if constexpr (kStageBScales) {
+        const float2 stage_sb = *reinterpret_cast<const float2*>(tiles.b_scales[state.stage]);
+        sb[0] = stage_sb.x;
+        sb[1] = stage_sb.y;
+      } else if constexpr (!kBRowScales) {
+        sb[0] = __ldg(p_.b_scales + b_off[0] + kb * p_.s_k);
+        sb[1] = __ldg(p_.b_scales + b_off[1] + kb * p_.s_k);
+      }
       const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[state.stage] + consumer * 64 * kBlockK);
       const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[state.stage]);
       const float* a_scales = tiles.a_scales[state.stage] + a_offset + consumer * 64;
@@ -153,7 +189,7 @@ struct MainloopFp8 {
 #pragma unroll
         for (int i = 0; i < kPartials; ++i) fence_operand(partial[i]);
         // Block scales: after the last group's MMAs the warp has read all of the stage it
-        // needs (its A scales are in registers), so the stage goes back before the last
+        // needs (its A and B scales are in registers), so the stage goes back before the last
         // promotion.
         if constexpr (!kBRowScales) {
           if (g == kHalves - 1) release(pipe, state, warp_leader);
@@ -235,10 +271,7 @@ struct MainloopFp8 {
   }
 
  private:
-  const float* b_scales_;
-  int64_t s_expert_;
-  int s_n_, s_k_, up_block_;
-  bool a_sorted_tma_;
+  Params p_;
 };
 
 }  // namespace megamoe::sm90

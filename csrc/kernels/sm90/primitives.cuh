@@ -143,6 +143,14 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
                : "memory");
 }
 
+// Holds `bar`'s current phase open until this thread's earlier cp.async copies have landed:
+// the barrier's pending count goes up by one now and down by one then (no noinc), so its
+// expected count is unchanged. Issued before the thread's own arrival on the phase.
+__device__ __forceinline__ void cp_async_mbarrier_track(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
 // Orders generic-proxy shared-memory writes (cp.async, st.shared) seen by this thread before
 // its later async-proxy reads (wgmma, TMA).
 __device__ __forceinline__ void fence_proxy_async_shared() {

@@ -33,7 +33,6 @@ struct Producer {
     const bool tma_thread = kThreads == 1 || threadIdx.x == 0;
     ALoad a(a_params);
     const BLoad b(b_params);
-    const Mainloop mainloop(mainloop_params);
     if (tma_thread) {
       a.prefetch();
       b.prefetch();
@@ -57,10 +56,12 @@ struct Producer {
         mbarrier_wait(&pipe.empty[s], state.phase ^ 1);
         if (tma_thread) {
           if (kPass && kb == 0) pipe.tile[s] = t;  // for the consumers (Pipeline::tile)
+          // Before the arrival: the mainloop's own copies into the stage (FP8: B's block
+          // scales) must hold the phase open from the start.
+          Mainloop::load_extras(mainloop_params, tiles, s, &pipe.full[s], t, kb);
           mbarrier_arrive_expect_tx(&pipe.full[s], kTmaBytes);
           a.load_tma(tiles, s, &pipe.full[s], t, kb);
           b.load(tiles, s, &pipe.full[s], t, kb);
-          mainloop.load_extras(tiles, s, &pipe.full[s], t, kb);
         }
         a.load_async(tiles, s, &pipe.full[s], t, kb);
         state.advance();
