@@ -59,7 +59,6 @@ void check_hidden(const char* function, int64_t H) {
 
 template <bool kBf16Weights>
 __device__ __forceinline__ float load_weight(const void* weights, int64_t i) {
-  if (weights == nullptr) return 1.0f;  // a plain sum (the backward's dx)
   if constexpr (kBf16Weights) {
     return __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[i]);
   } else {
@@ -81,7 +80,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t v = sub; v < vecs; v += lanes) {
       y[t * vecs + v] = fold_slot_pieces<kCombineGroup>(k, [&](int j, float& w, uint4& val) {
         const int32_t row = j < k ? __ldg(rows + j) : -1;
-        w = row >= 0 ? load_weight<kBf16Weights>(weights, t * k + j) : 0.0f;
+        // One predicate for the weight's load (no weights: a plain sum, the backward's dx).
+        w = row >= 0 && weights != nullptr ? load_weight<kBf16Weights>(weights, t * k + j) : 1.0f;
         if (row >= 0) val = __ldg(o + row * vecs + v);
         return row >= 0;
       });
