@@ -88,6 +88,9 @@ void expect_poisoned(const char* what, const uint16_t* p, int64_t count) {
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << count << " elements were written";
 }
 
+// The combine's weights: fp32, bf16, or none (a plain sum, the backward's dx).
+enum class Weights { kFp32, kBf16, kNone };
+
 class CombineRowsGpu : public megamoe_test::GpuTest {
  protected:
   // bf16 rows plus kGuardRows guard rows, all 0xFF bytes (NaN).
@@ -109,10 +112,13 @@ class CombineRowsGpu : public megamoe_test::GpuTest {
 
   // o has T*k rows; slot_row maps slots to a random permutation of them, -1 with p_none;
   // token 0 (when T > 1) has no valid slot.
-  void check_combine(int64_t T, int64_t k, int64_t H, bool bf16_weights, double p_none,
+  void check_combine(int64_t T, int64_t k, int64_t H, Weights weights, double p_none,
                      uint64_t seed, int repeats = 1) {
+    const bool bf16_weights = weights == Weights::kBf16;
     SCOPED_TRACE("combine T=" + std::to_string(T) + " k=" + std::to_string(k) + " H=" +
-                 std::to_string(H) + (bf16_weights ? " bf16 weights" : " fp32 weights"));
+                 std::to_string(H) +
+                 (weights == Weights::kNone ? " no weights"
+                                            : bf16_weights ? " bf16 weights" : " fp32 weights"));
     std::mt19937_64 rng(seed);
     const int64_t R = T * k;
     const std::vector<uint16_t> o = random_bf16(rng, R * H);
@@ -128,7 +134,7 @@ class CombineRowsGpu : public megamoe_test::GpuTest {
     std::vector<float> w(R);
     std::vector<uint16_t> w_bf16(R);
     for (int64_t i = 0; i < R; ++i) {
-      w[i] = wdist(rng);
+      w[i] = weights == Weights::kNone ? 1.0f : wdist(rng);
       if (bf16_weights) {
         w_bf16[i] = to_bf16(w[i]);
         w[i] = from_bf16(w_bf16[i]);
@@ -136,8 +142,9 @@ class CombineRowsGpu : public megamoe_test::GpuTest {
     }
     auto* d_o = reinterpret_cast<const __nv_bfloat16*>(upload(o));
     int32_t* d_slots = upload(slot_row);
-    const void* d_w = bf16_weights ? static_cast<const void*>(upload(w_bf16))
-                                   : static_cast<const void*>(upload(w));
+    const void* d_w = weights == Weights::kNone ? nullptr
+                      : bf16_weights              ? static_cast<const void*>(upload(w_bf16))
+                                                  : static_cast<const void*>(upload(w));
     __nv_bfloat16* d_y = bf16_rows(T, H);
     ASSERT_FALSE(HasFailure());
     const std::vector<uint16_t> want = cpu_combine(o, H, slot_row, w, T, k);
@@ -165,37 +172,46 @@ class CombineRowsGpu : public megamoe_test::GpuTest {
 TEST_F(CombineRowsGpu, CombineFp32WeightsH2048) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
-  check_combine(1024, 8, 2048, false, 0.1, seed);
+  check_combine(1024, 8, 2048, Weights::kFp32, 0.1, seed);
 }
 
 TEST_F(CombineRowsGpu, CombineBf16WeightsH2048) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
-  check_combine(1024, 8, 2048, true, 0.1, seed);
+  check_combine(1024, 8, 2048, Weights::kBf16, 0.1, seed);
 }
 
 TEST_F(CombineRowsGpu, CombineH64) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
-  check_combine(4097, 8, 64, false, 0.1, seed);
-  check_combine(4097, 8, 64, true, 0.1, seed + 1);
+  check_combine(4097, 8, 64, Weights::kFp32, 0.1, seed);
+  check_combine(4097, 8, 64, Weights::kBf16, 0.1, seed + 1);
 }
 
 TEST_F(CombineRowsGpu, CombineShapes) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
-  check_combine(1, 1, 64, false, 0.0, seed);
-  check_combine(1, 1, 8, true, 0.0, seed + 1);
-  check_combine(7, 1, 2048, false, 0.2, seed + 2);   // k = 1
-  check_combine(7, 10, 24, true, 0.2, seed + 3);     // k > one load group of 8
-  check_combine(33, 16, 136, false, 0.3, seed + 4);  // k = 16
-  check_combine(5, 4, 4096, true, 1.0, seed + 5);    // no valid slot: all zeros
+  check_combine(1, 1, 64, Weights::kFp32, 0.0, seed);
+  check_combine(1, 1, 8, Weights::kBf16, 0.0, seed + 1);
+  check_combine(7, 1, 2048, Weights::kFp32, 0.2, seed + 2);   // k = 1
+  check_combine(7, 10, 24, Weights::kBf16, 0.2, seed + 3);    // k > one load group of 8
+  check_combine(33, 16, 136, Weights::kFp32, 0.3, seed + 4);  // k = 16
+  check_combine(5, 4, 4096, Weights::kBf16, 1.0, seed + 5);   // no valid slot: all zeros
+}
+
+// No weights (the backward's dx): each used slot's row added with weight 1, in the same fold.
+TEST_F(CombineRowsGpu, CombineWithoutWeights) {
+  const uint64_t seed = fresh_seed();
+  SEEDED(seed);
+  check_combine(1024, 8, 2048, Weights::kNone, 0.1, seed);
+  check_combine(7, 10, 24, Weights::kNone, 0.2, seed + 1);  // k > one load group of 8
+  check_combine(5, 4, 64, Weights::kNone, 1.0, seed + 2);   // no valid slot: all zeros
 }
 
 TEST_F(CombineRowsGpu, CombineBitwiseDeterministic) {
   const uint64_t seed = fresh_seed();
   SEEDED(seed);
-  check_combine(2048, 8, 2048, false, 0.05, seed, 3);
+  check_combine(2048, 8, 2048, Weights::kFp32, 0.05, seed, 3);
 }
 
 TEST_F(CombineRowsGpu, NoTokensIsANoOp) {
