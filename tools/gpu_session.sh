@@ -42,7 +42,8 @@
 #                  $TRAIN_NAME-deterministic)
 #   fp8check       SASS of the library (HGMMA, QGMMA, no local memory) and compute-sanitizer
 #                  (memcheck, racecheck, synccheck; FP8_SANITIZER_TOOLS) on small FP8 GEMM and
-#                  layer tests
+#                  layer tests: the M-grouped GEMMs with A gathered and with A by TMA, the
+#                  weight gradients (FP8_SANITIZER_FILTER), the layer (FP8_SANITIZER_K)
 #   skew           the fused layer's training-scale skewed-routing tests
 #   checktrain     megamoe-train-bench's config with every experts call checked against the
 #                  torch backend (tools/check_training_layers.py; CHECK_STEPS, default 70)
@@ -207,7 +208,7 @@ for stage in "$@"; do
       rm -f "$work/sass.txt"
       for tool in ${FP8_SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
         run "sanitizer-fp8-gemm-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-          build/tests/cpp/megamoe_tests --gtest_filter="${FP8_SANITIZER_FILTER:-*Fp8*Gpu*Agathered_Cpadded*:*Fp8WeightGradGpu*}"
+          build/tests/cpp/megamoe_tests --gtest_filter="${FP8_SANITIZER_FILTER:-*Fp8*Gpu*Agathered_Cpadded*:*Fp8*Gpu*Asorted_Csorted*:*Fp8WeightGradGpu*}"
         run "sanitizer-fp8-layer-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 \
           python3 -m pytest -q -x tests/python/test_fused_fp8.py -k "${FP8_SANITIZER_K:-awkward and (extra0 or extra1)}"
       done ;;
