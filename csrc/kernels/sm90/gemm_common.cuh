@@ -66,6 +66,21 @@ struct Tile {
   int k_row0;       // kK: the expert's first padded row, where its reduction starts; kM: 0
   int k_blocks;     // k-blocks to reduce (0 for an expert without rows: C is zero)
   __device__ __forceinline__ int row(bool padded) const { return padded ? padded_row0 : row0; }
+  // Lane `src`'s tile, in every lane of the warp (field by field: a whole-struct copy
+  // through an int array would put the tile in local memory).
+  __device__ __forceinline__ Tile shuffled(int src) const {
+    static_assert(sizeof(Tile) == 8 * sizeof(int), "shuffle each of Tile's fields");
+    Tile t;
+    t.expert = __shfl_sync(~0u, expert, src);
+    t.n_tile = __shfl_sync(~0u, n_tile, src);
+    t.rows = __shfl_sync(~0u, rows, src);
+    t.row0 = __shfl_sync(~0u, row0, src);
+    t.padded_row0 = __shfl_sync(~0u, padded_row0, src);
+    t.m0 = __shfl_sync(~0u, m0, src);
+    t.k_row0 = __shfl_sync(~0u, k_row0, src);
+    t.k_blocks = __shfl_sync(~0u, k_blocks, src);
+    return t;
+  }
 };
 
 // The ring of shared-memory stages between the producer and the consumers: a stage's `full`

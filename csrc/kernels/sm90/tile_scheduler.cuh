@@ -81,7 +81,12 @@ class TileScheduler {
                                                        F&& f) const {
     for (;;) {
       mbarrier_wait(&pipe.full[state.stage], state.phase);
-      const Tile t = pipe.tile[state.stage];  // a copy: the producer rewrites the slot
+      // A copy (the producer rewrites the slot), read by each warp's first lane and shuffled
+      // to the others. The FP8 consumers hand a stage back by their warps' first lanes after
+      // a __syncwarp; compute-sanitizer's racecheck does not follow __syncwarp, so other
+      // lanes' reads of the slot would show as racing with its next write
+      // (tools/racecheck_probe.cu).
+      const Tile t = (threadIdx.x % 32 == 0 ? pipe.tile[state.stage] : Tile{}).shuffled(0);
       if (t.expert < 0) break;
       f(t);
     }
