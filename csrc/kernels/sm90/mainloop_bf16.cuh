@@ -34,9 +34,11 @@ struct MainloopBf16 {
   static constexpr int kExtraTmaBytes = 0;
   static constexpr bool kScaled = false;      // no block scales (see mainloop_fp8.cuh)
   static constexpr bool kBRowScales = false;
-  // Arrivals per consumer warpgroup that release a stage: its MMAs' reads are the only ones,
-  // and wgmma_wait covers the whole warpgroup.
-  static constexpr int kConsumerArrivals = 1;
+  // Arrivals per consumer warpgroup that release a stage: one per warp, by its first lane.
+  // The MMAs' reads are covered by wgmma_wait, which spans the warpgroup; the other reads of
+  // a stage are of a passed tile's slot (for_each_passed_tile), by each warp's first lane, so
+  // every thread that reads a stage hands it back itself (racecheck sees no order otherwise).
+  static constexpr int kConsumerArrivals = 4;
   using Registers = WideConsumerRegisters;
 
   // Descriptor strides (bytes) of an MN-major B tile; the defaults of the host API describe
@@ -63,7 +65,7 @@ struct MainloopBf16 {
   template <int kStages>
   __device__ __forceinline__ static void release_unread(Pipeline<kStages>& pipe,
                                                         const PipelineState<kStages>& state) {
-    if (threadIdx.x % 128 == 0) mbarrier_arrive(&pipe.empty[state.stage]);
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(&pipe.empty[state.stage]);
   }
 
   // The tile's MMAs for consumer warpgroup `consumer` (its 64 rows of the tile), walking the
@@ -72,7 +74,7 @@ struct MainloopBf16 {
   __device__ __forceinline__ void mma(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
                                       PipelineState<kStages>& state, const Tile& t,
                                       float (&acc)[kAccumulators], int consumer) const {
-    const bool releases = threadIdx.x % 128 == 0;
+    const bool releases = lane_id() == 0;
     int previous = -1;
     if (t.k_blocks == 0) {  // an expert without rows: its weight gradient is zero
 #pragma unroll

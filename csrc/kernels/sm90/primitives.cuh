@@ -12,6 +12,15 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The thread's lane in its warp, from %laneid: opaque to the compiler, unlike
+// threadIdx.x % 32 (in the bf16 mainloop, that form of its releasing lanes made ptxas
+// serialize the tile-passing GEMMs' wgmma).
+__device__ __forceinline__ uint32_t lane_id() {
+  uint32_t lane;
+  asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
 // ---- mbarrier ------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
