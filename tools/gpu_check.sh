@@ -69,6 +69,13 @@ if command -v compute-sanitizer >/dev/null; then
       tests/python/test_fused_backward.py -k "extra0 or extra1 or extra5"
   done
 fi
+# Shared-memory races of the tile-passing GEMMs (the producer rewrites each stage's tile slot),
+# with many tiles a block (few SMs) and one.
+if command -v compute-sanitizer >/dev/null; then
+  step "compute-sanitizer racecheck (tile-passing GEMMs)" sanitizer-racecheck-gemm.log timeout 300 \
+    compute-sanitizer --tool racecheck --error-exitcode 1 build/tests/cpp/megamoe_tests \
+    --gtest_filter='*FewSms*Asorted*:*FewSms*Apadded*:*Asorted_Csorted*'
+fi
 # Memory errors and races of the FP8 quantizers (their shared-memory transpose included), and
 # their speed against memory bandwidth beside the torch fp8 baseline's compiled casts.
 if command -v compute-sanitizer >/dev/null; then
