@@ -5,9 +5,13 @@
 // by the PTX memory model (mbarrier.arrive is release, try_wait acquire, both at CTA scope),
 // so each hazard racecheck reports here is one it cannot see through.
 //
-//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
-//        tools/racecheck_probe.cu -o racecheck_probe
-//   compute-sanitizer --tool racecheck ./racecheck_probe MODE
+//   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc \
+//     tools/racecheck_probe.cu -o build/racecheck_probe
+//   compute-sanitizer --tool racecheck build/racecheck_probe MODE
+//
+// Findings (one H100, performance log, fifth session of 2026-12-05): plain 1 hazard (the
+// slot's reads against every rewrite), per-thread and leader clean, tx and tx-end 4 (the
+// landing buffer's reads too: the bulk copy's write is put on the issuing thread).
 //
 // MODE (how a stage's full barrier completes; how the consumers release a stage):
 //   plain      every stage: the producer's mbarrier.arrive; releases: warp leaders
