@@ -82,10 +82,10 @@ class TileScheduler {
     for (;;) {
       mbarrier_wait(&pipe.full[state.stage], state.phase);
       // A copy (the producer rewrites the slot), read by each warp's first lane and shuffled
-      // to the others. The FP8 consumers hand a stage back by their warps' first lanes after
-      // a __syncwarp; compute-sanitizer's racecheck does not follow __syncwarp, so other
-      // lanes' reads of the slot would show as racing with its next write
-      // (tools/racecheck_probe.cu).
+      // to the others: each warp's first lane hands the stage back (the mainloops'
+      // kConsumerArrivals), and compute-sanitizer's racecheck orders a read before the
+      // slot's next write only through the reading thread's own arrival, not through
+      // __syncwarp or the warpgroup's wgmma wait (tools/racecheck_probe.cu).
       const Tile t = (threadIdx.x % 32 == 0 ? pipe.tile[state.stage] : Tile{}).shuffled(0);
       if (t.expert < 0) break;
       f(t);
