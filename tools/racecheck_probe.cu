@@ -37,14 +37,6 @@ struct Slot {
   int tile, a, b, c;
 };
 
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 16, [%2];" ::
-          "r"(smem_addr(dst)),
-      "l"(src), "r"(smem_addr(bar))
-      : "memory");
-}
-
 __global__ void probe(int mode, const int4* src, int* out) {
   __shared__ uint64_t full[kStages], empty[kStages];
   __shared__ Slot slot[kStages];
@@ -68,7 +60,7 @@ __global__ void probe(int mode, const int4* src, int* out) {
     const auto fill = [&](bool with_copy) {
       if (with_copy) {
         mbarrier_arrive_expect_tx(&full[stage], 16);
-        bulk_copy(&landing[stage], src, &full[stage]);
+        bulk_load_1d(&landing[stage], src, 16, &full[stage]);
       } else {
         mbarrier_arrive(&full[stage]);
       }
