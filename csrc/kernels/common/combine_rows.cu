@@ -16,8 +16,6 @@
 #include "core/error.h"
 #include "kernels/common/bf16_row.cuh"
 #include "kernels/common/kernel_preload.h"
-#include "kernels/common/pdl.cuh"
-#include "kernels/common/pdl.h"
 #include "kernels/common/sm_count.h"
 
 namespace megamoe {
@@ -73,8 +71,6 @@ __global__ void __launch_bounds__(kThreads)
     combine_rows_kernel(const uint4* __restrict__ o, int64_t vecs,
                         const int32_t* __restrict__ slot_row, const void* __restrict__ weights,
                         int64_t T, int32_t k, int lanes_log2, uint4* __restrict__ y) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int lanes = 1 << lanes_log2;
   const int sub = threadIdx.x & (lanes - 1);
   const int64_t rows_per_block = kThreads >> lanes_log2;
@@ -122,11 +118,11 @@ void combine_rows(const __nv_bfloat16* o, int64_t H, const int32_t* slot_row,
   auto* dst = reinterpret_cast<uint4*>(y);
   if (weights_are_bf16) {
     const int grid = grid_for(combine_rows_kernel<true>, T, lanes_log2);
-    launch_pdl(combine_rows_kernel<true>, grid, kThreads, 0, stream,
+    combine_rows_kernel<true><<<grid, kThreads, 0, stream>>>(
         src, vecs, slot_row, topk_weights, T, static_cast<int32_t>(k), lanes_log2, dst);
   } else {
     const int grid = grid_for(combine_rows_kernel<false>, T, lanes_log2);
-    launch_pdl(combine_rows_kernel<false>, grid, kThreads, 0, stream,
+    combine_rows_kernel<false><<<grid, kThreads, 0, stream>>>(
         src, vecs, slot_row, topk_weights, T, static_cast<int32_t>(k), lanes_log2, dst);
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());

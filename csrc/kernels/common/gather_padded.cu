@@ -6,8 +6,6 @@
 #include "core/error.h"
 #include "kernels/common/bf16_scale.cuh"
 #include "kernels/common/kernel_preload.h"
-#include "kernels/common/pdl.cuh"
-#include "kernels/common/pdl.h"
 #include "kernels/common/sm_count.h"
 
 namespace megamoe {
@@ -24,8 +22,6 @@ __global__ void __launch_bounds__(kWarps * 32)
                               const int32_t* __restrict__ row_slot, int32_t num_experts,
                               const float* __restrict__ slot_weights, int64_t padded_rows,
                               uint4* __restrict__ out) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
   const int64_t used = int64_t(__ldg(&tile_offsets[num_experts])) * 128;
   const int64_t limit = used < padded_rows ? used : padded_rows;
@@ -74,7 +70,7 @@ void gather_rows_padded(const __nv_bfloat16* src, int64_t H, const RoutingPlan& 
   const int sms = sm_count();
   const int64_t wanted = (padded_rows + kWarps - 1) / kWarps;
   const int blocks = static_cast<int>(wanted < 8LL * sms ? wanted : 8LL * sms);
-  launch_pdl(gather_rows_padded_kernel, blocks, kWarps * 32, 0, stream,
+  gather_rows_padded_kernel<<<blocks, kWarps * 32, 0, stream>>>(
       reinterpret_cast<const uint4*>(src), H / 8, plan.expert_offsets, plan.tile_offsets,
       plan.row_token, plan.row_slot, static_cast<int32_t>(num_experts), slot_weights,
       padded_rows, reinterpret_cast<uint4*>(out));

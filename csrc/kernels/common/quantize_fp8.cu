@@ -11,8 +11,6 @@
 #include "kernels/common/bf16_scale.cuh"
 #include "kernels/common/fp8_recipe.cuh"
 #include "kernels/common/kernel_preload.h"
-#include "kernels/common/pdl.cuh"
-#include "kernels/common/pdl.h"
 #include "kernels/common/sm_count.h"
 
 namespace megamoe {
@@ -467,8 +465,6 @@ template <Fp8Blocks kBlocks, bool kToRows = false, bool kGathered = false>
 __global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_kernel(Fp8QuantizeArgs a, int64_t row_tiles, int64_t col_tiles,
                         std::conditional_t<kGathered, Fp8PaddedSource, Fp8RowDests> dests) {
-  pdl_wait();
-  pdl_launch_dependents();
   static_assert(!kToRows || kBlocks == Fp8Blocks::kRows1x128);
   static_assert(!kGathered || ((kBlocks == Fp8Blocks::kColumns128 ||
                                  kBlocks == Fp8Blocks::kColumnTiles128) && !kToRows));
@@ -559,8 +555,6 @@ __global__ void __launch_bounds__(kThreads, 3)
 __global__ void __launch_bounds__(kThreads, 3)
     quantize_fp8_rows_and_columns_kernel(Fp8QuantizeArgs rows, Fp8QuantizeArgs cols,
                                          int64_t row_tiles, int64_t col_tiles) {
-  pdl_wait();
-  pdl_launch_dependents();
   __shared__ TileSmem sm;
   extern __shared__ __align__(128) uint4 stage[];
   const int32_t no_dests[kRowsPerThread] = {};
@@ -594,8 +588,6 @@ constexpr int kCopyBatch = 4;  // 16-byte loads a lane has in flight before it s
 
 __global__ void __launch_bounds__(kThreads)
     copy_fp8_to_rows_kernel(const Fp8RowsCopyArgs a, const Fp8RowDests dests) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int lane = threadIdx.x % 32;
   const int64_t pieces = a.cols / 16, blocks = a.cols / kTile;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
@@ -718,20 +710,16 @@ void quantize_fp8(Fp8Blocks blocks, const Fp8QuantizeArgs& a, cudaStream_t strea
   const int64_t row_tiles = row_tiles_of(a), col_tiles = a.cols / kTile;
   switch (blocks) {
     case Fp8Blocks::kRows1x128:
-      launch_pdl(quantize_fp8_kernel<Fp8Blocks::kRows1x128>, grid, kThreads, 0, stream, a,
-                 row_tiles, col_tiles, Fp8RowDests{});
+      quantize_fp8_kernel<Fp8Blocks::kRows1x128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
     case Fp8Blocks::kTiles128:
-      launch_pdl(quantize_fp8_kernel<Fp8Blocks::kTiles128>, grid, kThreads, 0, stream, a,
-                 row_tiles, col_tiles, Fp8RowDests{});
+      quantize_fp8_kernel<Fp8Blocks::kTiles128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
     case Fp8Blocks::kColumns128:
-      launch_pdl(quantize_fp8_kernel<Fp8Blocks::kColumns128>, grid, kThreads, 0, stream, a,
-                 row_tiles, col_tiles, Fp8RowDests{});
+      quantize_fp8_kernel<Fp8Blocks::kColumns128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
     case Fp8Blocks::kColumnTiles128:
-      launch_pdl(quantize_fp8_kernel<Fp8Blocks::kColumnTiles128>, grid, kThreads, 0, stream, a,
-                 row_tiles, col_tiles, Fp8RowDests{});
+      quantize_fp8_kernel<Fp8Blocks::kColumnTiles128><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles, {});
       break;
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
@@ -759,7 +747,7 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
         &quantize_fp8_kernel<decltype(tile_scales)::value ? Fp8Blocks::kColumnTiles128
                                                           : Fp8Blocks::kColumns128,
                              false, true>;
-    launch_pdl(kernel, persistent_grid<kernel>(grid), kThreads, kStageBytes, stream,
+    kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
         a, row_tiles_of(a), a.cols / kTile, src);
   };
   if (blocks == Fp8Blocks::kColumnTiles128) {
@@ -777,7 +765,7 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   if (grid == 0) return;
   if (dests.rows == nullptr) fail("null dests.rows");
   constexpr auto kernel = &quantize_fp8_kernel<Fp8Blocks::kRows1x128, true>;
-  launch_pdl(kernel, persistent_grid<kernel>(grid), kThreads, kStageBytes, stream,
+  kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
       a, row_tiles_of(a), a.cols / kTile, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -792,7 +780,7 @@ void copy_fp8_to_rows(const Fp8RowsCopyArgs& a, const Fp8RowDests& dests,
   if (!aligned16(a.q) || !aligned16(a.out_q)) fail("copy: q and out_q must be 16-byte aligned");
   if (a.scale_ld < a.rows) fail("copy: scale_ld must be at least rows");
   const int64_t blocks = std::min<int64_t>((a.rows + kWarps - 1) / kWarps, 4 * int64_t(sm_count()));
-  launch_pdl(copy_fp8_to_rows_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a, dests);
+  copy_fp8_to_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -811,7 +799,7 @@ void quantize_fp8_rows_and_columns(const Fp8QuantizeArgs& rows, const Fp8Quantiz
   checked_grid(Fp8Blocks::kColumns128, columns, false, "columns: ");  // the same tiles
   if (grid == 0) return;
   constexpr auto kernel = &quantize_fp8_rows_and_columns_kernel;
-  launch_pdl(kernel, persistent_grid<kernel>(grid), kThreads, kStageBytes, stream,
+  kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
       rows, columns, row_tiles_of(rows), rows.cols / kTile);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }

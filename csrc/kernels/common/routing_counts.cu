@@ -10,8 +10,6 @@
 #include "core/tensor_check.h"
 #include "kernels/common/device.h"
 #include "kernels/common/kernel_preload.h"
-#include "kernels/common/pdl.cuh"
-#include "kernels/common/pdl.h"
 #include "kernels/common/sm_count.h"
 
 namespace megamoe {
@@ -30,8 +28,6 @@ __global__ void __launch_bounds__(kThreads)
     routing_counts_kernel(const Id* __restrict__ ids, int64_t n, int32_t num_experts,
                           bool shared_hist, int32_t* __restrict__ counts,
                           int32_t* __restrict__ invalid) {
-  pdl_wait();
-  pdl_launch_dependents();
   extern __shared__ int32_t hist[];
   if (shared_hist) {
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = 0;
@@ -68,7 +64,7 @@ void launch(const megamoe_tensor& ids, int64_t n, int32_t num_experts, int32_t* 
   const int blocks = static_cast<int>(wanted < 4LL * sms ? wanted : 4LL * sms);
   const bool shared_hist = num_experts <= kMaxSharedExperts;
   const size_t smem = shared_hist ? num_experts * sizeof(int32_t) : 0;
-  launch_pdl(routing_counts_kernel<Id>, blocks, kThreads, smem, stream,
+  routing_counts_kernel<Id><<<blocks, kThreads, smem, stream>>>(
       static_cast<const Id*>(ids.data), n, num_experts, shared_hist, counts, invalid);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }

@@ -31,8 +31,6 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
-#include "kernels/common/pdl.cuh"
-#include "kernels/common/pdl.h"
 
 namespace megamoe {
 namespace {
@@ -106,8 +104,6 @@ template <class Id>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     plan_hist_kernel(const Id* __restrict__ ids, int64_t n, int32_t E, int64_t span,
                      int32_t* __restrict__ hist, int32_t* __restrict__ bad) {
-  pdl_wait();
-  pdl_launch_dependents();
   extern __shared__ int32_t count[];  // [E]
   __shared__ int32_t block_bad;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -178,8 +174,6 @@ __global__ void __launch_bounds__(kScanThreads)
     plan_scan_kernel(int32_t* __restrict__ hist, const int32_t* __restrict__ bad,
                      int32_t blocks, int32_t E, int32_t parts, int32_t block_m,
                      RoutingPlan plan) {
-  pdl_wait();
-  pdl_launch_dependents();
   extern __shared__ int32_t smem[];
   int32_t* partial = smem;          // [parts][E]
   int32_t* base = smem + parts * E; // [E]: counts, then expert offsets
@@ -273,8 +267,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     plan_scatter_kernel(const Id* __restrict__ ids, int64_t n, int32_t k, int32_t E,
                         int64_t span, const int32_t* __restrict__ first_row,
                         RoutingPlan plan) {
-  pdl_wait();
-  pdl_launch_dependents();
   extern __shared__ int32_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = blockDim.x >> 5;
@@ -356,18 +348,18 @@ void launch_plan(const Id* ids, int64_t n, int64_t k, int32_t E, int32_t block_m
   const int threads = c.warps * 32;
   const auto blocks = static_cast<int32_t>(c.blocks);
   if (blocks > 0) {
-    launch_pdl(plan_hist_kernel<Id>, blocks, threads, E * sizeof(int32_t), stream, ids, n, E,
-               c.span, hist, bad);
+    plan_hist_kernel<Id><<<blocks, threads, E * sizeof(int32_t), stream>>>(ids, n, E, c.span,
+                                                                             hist, bad);
     MEGAMOE_CUDA_CHECK(cudaGetLastError());
   }
   const int parts = std::max(1, std::min(kScanThreads / E, blocks));
   const size_t scan_smem = static_cast<size_t>(parts + 1) * E * sizeof(int32_t);
-  launch_pdl(plan_scan_kernel, 1, kScanThreads, scan_smem, stream, hist, bad, blocks, E, parts,
-             block_m, plan);
+  plan_scan_kernel<<<1, kScanThreads, scan_smem, stream>>>(hist, bad, blocks, E, parts, block_m,
+                                                           plan);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
   if (blocks > 0) {
     const size_t smem = static_cast<size_t>(c.warps + 1) * E * sizeof(int32_t);
-    launch_pdl(plan_scatter_kernel<Id>, blocks, threads, smem, stream,
+    plan_scatter_kernel<Id><<<blocks, threads, smem, stream>>>(
         ids, n, static_cast<int32_t>(k), E, c.span, hist, plan);
     MEGAMOE_CUDA_CHECK(cudaGetLastError());
   }

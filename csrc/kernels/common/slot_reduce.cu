@@ -5,8 +5,6 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common/kernel_preload.h"
-#include "kernels/common/pdl.cuh"
-#include "kernels/common/pdl.h"
 
 namespace megamoe {
 namespace {
@@ -17,8 +15,6 @@ __global__ void __launch_bounds__(kThreads)
     reduce_slot_partials_kernel(const float* __restrict__ partial, int parts,
                                 const int32_t* __restrict__ slot_row, int64_t num_slots,
                                 float* __restrict__ out) {
-  pdl_wait();
-  pdl_launch_dependents();
   const int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (s >= num_slots) return;
   const int32_t row = __ldg(&slot_row[s]);
@@ -42,7 +38,7 @@ void reduce_slot_partials(const float* partial, int64_t parts, const int32_t* sl
   if (num_slots == 0) return;
   if (!partial || !slot_row || !out) throw_invalid("reduce_slot_partials: null pointer");
   const int64_t blocks = (num_slots + kThreads - 1) / kThreads;
-  launch_pdl(reduce_slot_partials_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream,
+  reduce_slot_partials_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       partial, static_cast<int>(parts), slot_row, num_slots, out);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }

@@ -20,8 +20,6 @@
 #include <cstdint>
 
 #include "core/cuda_check.h"
-#include "kernels/common/pdl.cuh"
-#include "kernels/common/pdl.h"
 #include "kernels/common/sm_count.h"
 #include "kernels/sm90/gemm_common.cuh"
 #include "kernels/sm90/producer.cuh"
@@ -123,10 +121,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_barrier_init();
   }
   __syncthreads();
-  // Launched with PDL (launch_pdl): the barriers above overlap the previous kernel's end;
-  // everything below reads that kernel's results.
-  pdl_wait();
-  pdl_launch_dependents();
 
   const typename Gemm::Scheduler scheduler(p.scheduler);
   if (warpgroup == 0) {
@@ -182,7 +176,7 @@ void launch_grouped_gemm(const typename Gemm::Params& params, int64_t max_tiles,
   auto* kernel = &grouped_gemm_kernel<Gemm>;
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           int(Gemm::kSharedBytes)));
-  launch_pdl(kernel, grid, kThreads, Gemm::kSharedBytes, stream, p);
+  kernel<<<grid, kThreads, Gemm::kSharedBytes, stream>>>(p);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
