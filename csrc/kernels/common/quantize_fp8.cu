@@ -247,42 +247,26 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
   uint32_t qlo[kRowsPerThread], qhi[kRowsPerThread];  // columns 0-3 and 4-7 of each row
   float* scales = a.scales + t.b * a.s_batch;
   if constexpr (kBlocks == Fp8Blocks::kRows1x128) {
-    // The eight rows' maxima side by side, so that their butterflies' shuffles are in flight
-    // together (row by row, with a row's scale stores between, each shuffle waited alone).
-    uint32_t m[kRowsPerThread];
-    float row_scale[kRowsPerThread];  // (kToRows: for the destinations past the first 16)
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) m[i] = max_of_halves(abs_max_bits(v[i]));
-#pragma unroll
-    for (int off = 1; off < kColGroups; off *= 2) {
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) m[i] = max(m[i], __shfl_xor_sync(~0u, m[i], off));
-    }
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const Fp8BlockScale s = fp8_block_scale_bf16(m[i]);
+      uint32_t m = max_of_halves(abs_max_bits(v[i]));
+#pragma unroll
+      for (int off = 1; off < kColGroups; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
+      const Fp8BlockScale s = fp8_block_scale_bf16(m);
       qlo[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r);
       qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
       const int64_t row = row0 + kRowsPerThread * rg + i;
       if constexpr (kToRows) {
-        // Every lane writes the scale of its destination entries of the row: entry cg here,
-        // the entries past the first 16 (per_row > 16) below.
-        if (d[i] >= 0) scales[d[i] * a.s_0 + tj * a.s_1] = s.scale;
-        row_scale[i] = s.scale;
+        // Every lane writes the scale of its destination entries of the row.
+        const auto write = [&](int32_t dest) {
+          if (dest >= 0) scales[dest * a.s_0 + tj * a.s_1] = s.scale;
+        };
+        write(d[i]);
+        for (int64_t j0 = kColGroups; j0 < dests.per_row; j0 += kColGroups) {
+          write(dest_entry(dests, a.rows, row, j0 + cg));
+        }
       } else if (cg == 0 && row < a.rows) {
         scales[row * a.s_0 + tj * a.s_1] = s.scale;
-      }
-    }
-    if constexpr (kToRows) {
-      if (dests.per_row > kColGroups) {
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
-          const int64_t row = row0 + kRowsPerThread * rg + i;
-          for (int64_t j0 = kColGroups; j0 < dests.per_row; j0 += kColGroups) {
-            const int32_t dest = dest_entry(dests, a.rows, row, j0 + cg);
-            if (dest >= 0) scales[dest * a.s_0 + tj * a.s_1] = row_scale[i];
-          }
-        }
       }
     }
   } else if constexpr (kBlocks == Fp8Blocks::kTiles128) {
@@ -378,42 +362,18 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
       const uint2 q = make_uint2(qlo[i], qhi[i]);
       const int64_t row = row0 + kRowsPerThread * rg + i;
       if constexpr (kToRows) {
-        if (dests.per_row > kColGroups) {
-          // The half-warp writes the row to each destination in turn, entry j from lane j.
-          // (Uniform loops: every lane shuffles, rows past a.rows have no destinations.)
-          for (int64_t j0 = 0; j0 < dests.per_row; j0 += kColGroups) {
-            const int32_t mine = j0 == 0 ? d[i] : dest_entry(dests, a.rows, row, j0 + cg);
-            const int n = static_cast<int>(min(int64_t(kColGroups), dests.per_row - j0));
-            for (int j = 0; j < n; ++j) {
-              const int32_t dest = __shfl_sync(~0u, mine, row_lane(j));
-              if (dest >= 0) *reinterpret_cast<uint2*>(qb + dest * a.q_row) = q;
-            }
+        // The half-warp writes the row to each destination in turn, entry j from lane j.
+        // (Uniform loops: every lane shuffles, rows past a.rows have no destinations.)
+        for (int64_t j0 = 0; j0 < dests.per_row; j0 += kColGroups) {
+          const int32_t mine = j0 == 0 ? d[i] : dest_entry(dests, a.rows, row, j0 + cg);
+          const int n = static_cast<int>(min(int64_t(kColGroups), dests.per_row - j0));
+          for (int j = 0; j < n; ++j) {
+            const int32_t dest = __shfl_sync(~0u, mine, row_lane(j));
+            if (dest >= 0) *reinterpret_cast<uint2*>(qb + dest * a.q_row) = q;
           }
         }
       } else if (row < a.rows) {
         *reinterpret_cast<uint2*>(qb + row * a.q_row) = q;
-      }
-    }
-    if constexpr (kToRows) {
-      if (dests.per_row <= kColGroups) {
-        // Every destination is in d (lanes from per_row on hold -1). Each batch of 8 entries
-        // is shuffled before any of its stores, so that the shuffles' latencies overlap: a
-        // store after each shuffle waited for that shuffle alone, eight times a row.
-#pragma unroll
-        for (int j0 = 0; j0 < kColGroups; j0 += 8) {
-          if (j0 >= dests.per_row) break;
-#pragma unroll
-          for (int i = 0; i < kRowsPerThread; ++i) {
-            const uint2 q = make_uint2(qlo[i], qhi[i]);
-            int32_t dest[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dest[j] = __shfl_sync(~0u, d[i], row_lane(j0 + j));
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              if (dest[j] >= 0) *reinterpret_cast<uint2*>(qb + dest[j] * a.q_row) = q;
-            }
-          }
-        }
       }
     }
   }
