@@ -55,7 +55,7 @@ def test_records_cited_from_this_folder_exist():
     log = (RESULTS / "PERFLOG.md").read_text()
     assert re.findall(r"^## (.+)$", log, flags=re.M)[0] == "Current state"
     # A cited record name without a `REV:` prefix is a file of bench/results.
-    cited = set(re.findall(r"`((?:h200|h200x2)-[\w.{},*-]+)`", log))
+    cited = set(re.findall(r"`((?:h100|h200|h200x2)-[\w.{},*-]+)`", log))
     assert cited, "the log cites no record of this folder"
     for name in cited:
         for expanded in _expand(name):
