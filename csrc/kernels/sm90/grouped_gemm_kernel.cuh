@@ -43,8 +43,6 @@ struct GroupedGemm {
   // 128-thread gathering producer has no registers for the loop's state at its 56) and
   // whose epilogue allows it; not the FP8 weight gradients, whose consumers spill 4 bytes
   // with it. In the others every warpgroup walks the round-robin order itself.
-  using Registers = std::conditional_t<ALoad::kGenericProxy, typename Mainloop::Registers,
-                                       typename Mainloop::RegistersTmaA>;
   static constexpr bool kPassesTiles = Producer::kThreads == 1 &&
                                         !round_robin_tiles_only<Epilogue>() &&
                                         !(kGrouping == Grouping::kK && Mainloop::kScaled);
@@ -127,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const typename Gemm::Scheduler scheduler(p.scheduler);
   if (warpgroup == 0) {
     // The producer needs few registers: give them to the consumers' accumulators.
-    setmaxnreg_dec<Gemm::Registers::kProducerRegisters>();
+    setmaxnreg_dec<Mainloop::Registers::kProducerRegisters>();
     if (Producer::kThreads == 128 || threadIdx.x == 0) {
       Producer::template run<Gemm::kPassesTiles>(p.a, p.b, p.mainloop, scheduler, smem.tiles,
                                                   smem.pipeline);
@@ -135,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  setmaxnreg_inc<Gemm::Registers::kConsumerRegisters>();
+  setmaxnreg_inc<Mainloop::Registers::kConsumerRegisters>();
   const int consumer = warpgroup - 1;
   Epilogue epilogue(p.epilogue, smem.epilogue, smem.epilogue_barriers, consumer);
   const Mainloop mainloop(p.mainloop);

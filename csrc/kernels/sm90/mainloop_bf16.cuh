@@ -40,7 +40,6 @@ struct MainloopBf16 {
   // every thread that reads a stage hands it back itself (racecheck sees no order otherwise).
   static constexpr int kConsumerArrivals = 4;
   using Registers = WideConsumerRegisters;
-  using RegistersTmaA = Registers;
 
   // Descriptor strides (bytes) of an MN-major B tile; the defaults of the host API describe
   // the layout the TMA boxes produce (see smem_desc_mn_major_sw128).

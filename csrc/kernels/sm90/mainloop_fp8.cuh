@@ -66,9 +66,6 @@ struct MainloopFp8 {
   // scratch); its A comes by TMA, so the producer's one thread needs few.
   using Registers =
       std::conditional_t<kBlockN == 128, RegisterSplit<72, 216>, RegisterSplit<40, 232>>;
-  // With A by TMA the narrow tile's producer is one thread too: its consumers take the
-  // registers of the two scratches (mma_pipelined).
-  using RegistersTmaA = RegisterSplit<40, 232>;
   static_assert(kBColumns == BColumns::kContiguous || kBScales == BScales::kBlocks128);
 
   // kBlocks128: the scale of expert e's block (i, j) (B rows 128i.., K 128j..) at
@@ -104,10 +101,6 @@ struct MainloopFp8 {
   __device__ __forceinline__ void mma(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
                                       PipelineState<kStages>& state, const Tile& t,
                                       float (&sum)[kAccumulators], int consumer) const {
-    if constexpr (kHalves == 1 && kBScales == BScales::kBlocks128 && !kGenericProxyA) {
-      mma_pipelined<kGenericProxyA>(tiles, pipe, state, t, sum, consumer);
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) sum[i] = 0.f;
     // The B scale rows of the tile's 128-column groups. Gate-up tiles: group 0 of a wide tile
@@ -174,83 +167,6 @@ struct MainloopFp8 {
       }
       if constexpr (kBRowScales) release(pipe, state, warp_leader);
       state.advance();
-    }
-  }
-
-  // The narrow tile (one 128-column group per k-block; its 64 sums leave room for two
-  // scratches): k-block kb + 1's MMAs are issued into the other scratch before kb's are
-  // waited for and promoted, so that this warpgroup's MMAs run through its own promotions.
-  template <bool kGenericProxyA, int kStages>
-  __device__ __forceinline__ void mma_pipelined(Tiles<kStages>& tiles, Pipeline<kStages>& pipe,
-                                                PipelineState<kStages>& state, const Tile& t,
-                                                float (&sum)[kAccumulators],
-                                                int consumer) const {
-#pragma unroll
-    for (int i = 0; i < kAccumulators; ++i) sum[i] = 0.f;
-    const float* b_scales = b_scales_ + t.expert * s_expert_;
-    const float* b_rows[2];
-    if constexpr (kBColumns == BColumns::kGateUpHalves) {
-      const int gate_block = t.n_tile * (kBlockN / 2) / 128;
-      b_rows[0] = b_scales + gate_block * s_n_;
-      b_rows[1] = b_scales + (up_block_ + gate_block) * s_n_;
-    } else {
-      b_rows[0] = b_rows[1] = b_scales + t.n_tile * s_n_;
-    }
-    const int row = Fragment::row0();
-    const int a_offset = a_sorted_tma_ ? t.row0 & 3 : 0;
-    const bool warp_leader = threadIdx.x % 32 == 0;
-    float partial[2][kPartials];
-    float sa[2][2], sb[2][2];
-    PipelineState<kStages> next = state;  // the stage of the k-block issued next
-    // k-block kb into scratch p: its B scales, its stage's MMAs, its A rows' scales.
-    const auto issue = [&](auto parity, int kb) {
-      constexpr int p = decltype(parity)::value;
-      sb[p][0] = __ldg(b_rows[0] + kb * s_k_);
-      sb[p][1] = kBColumns == BColumns::kGateUpHalves ? __ldg(b_rows[1] + kb * s_k_) : sb[p][0];
-      mbarrier_wait(&pipe.full[next.stage], next.phase);
-      if constexpr (kGenericProxyA) fence_proxy_async_shared();
-      const uint64_t desc_a = smem_desc_k_major_sw128(tiles.a[next.stage] + consumer * 64 * kBlockK);
-      const uint64_t desc_b = smem_desc_k_major_sw128(tiles.b[next.stage]);
-#pragma unroll
-      for (int i = 0; i < kPartials; ++i) fence_operand(partial[p][i]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 32; ++kk) {
-        wgmma_e4m3_n128(partial[p], desc_a + 2 * kk, desc_b + 2 * kk, kk > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-      const float* a_scales = tiles.a_scales[next.stage] + a_offset + consumer * 64;
-      sa[p][0] = a_scales[row];
-      sa[p][1] = a_scales[row + 8];
-      next.advance();
-    };
-    // The oldest k-block in flight (scratch p) done: its stage back, its partials promoted.
-    const auto finish = [&](auto parity, auto in_flight_after) {
-      constexpr int p = decltype(parity)::value;
-      wgmma_wait<decltype(in_flight_after)::value>();
-#pragma unroll
-      for (int i = 0; i < kPartials; ++i) fence_operand(partial[p][i]);
-      release(pipe, state, warp_leader);
-      state.advance();
-      promote(tiles, state, 0, partial[p], sum, sa[p], sb[p][0], sb[p][1]);
-    };
-    using P0 = std::integral_constant<int, 0>;
-    using P1 = std::integral_constant<int, 1>;
-    if (t.k_blocks <= 0) return;
-    issue(P0{}, 0);
-    for (int kb = 0;; kb += 2) {
-      if (kb + 1 >= t.k_blocks) {
-        finish(P0{}, P0{});
-        break;
-      }
-      issue(P1{}, kb + 1);
-      finish(P0{}, P1{});
-      if (kb + 2 >= t.k_blocks) {
-        finish(P1{}, P0{});
-        break;
-      }
-      issue(P0{}, kb + 2);
-      finish(P1{}, P1{});
     }
   }
 
