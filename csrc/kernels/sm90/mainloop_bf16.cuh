@@ -65,7 +65,7 @@ struct MainloopBf16 {
   template <int kStages>
   __device__ __forceinline__ static void release_unread(Pipeline<kStages>& pipe,
                                                         const PipelineState<kStages>& state) {
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(&pipe.empty[state.stage]);
+    if (lane_id() == 0) mbarrier_arrive(&pipe.empty[state.stage]);
   }
 
   // The tile's MMAs for consumer warpgroup `consumer` (its 64 rows of the tile), walking the
