@@ -1,14 +1,15 @@
 """Where each of the FP8 layer bars (docs/fp8.md) stands, part by part, from one run.
 
 For each preset it takes the fused layer's per-kernel GPU time (torch.profiler) of the
-forward and of forward + backward, saved mode, in bf16, fp8 and fp8_bwd, after a settling
+forward and the backward, saved mode, in bf16, fp8 and fp8_bwd, from one loop of training
+calls (each forward followed by its backward, as megamoe-bench times them) after a settling
 run at the power cap's clocks, and measures the sustained bf16 and FP8 matmul peaks
-(megamoe.bench's yardsticks) in the same process. Each call's kernels are split into the
+(megamoe.bench's yardsticks) in the same process. Each part's kernels are split into the
 grouped GEMMs and the passes (every other kernel: the routing plan, the quantizers, the
 gathers and the combines). For each bar it prints:
 
   - the ratio the kernels give (sums of kernel time per call; the bench's wall-clock ratios
-    differ by the launch gaps, 1-2 us a kernel);
+    also count the launch gaps, 1-2 us a kernel, and its longer runs' clocks);
   - the ratio if the FP8 side's passes cost what the bf16 side's do (what FP8's own passes,
     the quantizers, cost the bar);
   - the FP8 GEMM rate the bar needs with the FP8 passes as measured, and with them at the
@@ -30,13 +31,14 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import megamoe
 from megamoe.bench import measure_gemm_peak_tflops
 from megamoe.presets import get_preset
 
 from layer_inputs import layer_inputs
+from profile_layer import short_name
 
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 # (bar name, FP8 precision, phase, bar): phase "fwd", "fwd_bwd" or "bwd" (fwd_bwd - fwd).
@@ -44,23 +46,50 @@ BARS = (("fp8 forward", "fp8", "fwd", 1.5),
         ("fp8 forward + backward", "fp8", "fwd_bwd", 1.35),
         ("fp8_bwd backward", "fp8_bwd", "bwd", 1.35))
 PEAK_SHARE_BAR = 0.65  # the fp8 forward's share of the sustained FP8 peak
+FWD_RANGE, BWD_RANGE = "fp8_bar_budget.forward", "fp8_bar_budget.backward"
 
 
-def kernel_times(call, iters: int) -> dict:
-    """GPU time per call (us) of the grouped GEMMs and of the other kernels."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+def split_kernel_times(forward, backward, iters: int) -> dict:
+    """GPU time per call (us) of the grouped GEMMs and of the other kernels, for the forward
+    and the backward of `iters` training calls, as megamoe-bench times them: each forward
+    followed by its backward. A synchronization after each part lets the kernels be told
+    apart by the profiler range (forward or backward) that their start falls in."""
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    gemm = passes = 0.0
-    for e in prof.key_averages():
-        if e.device_time_total <= 0:
+            with record_function(FWD_RANGE):
+                y = forward()
+                torch.cuda.synchronize()
+            with record_function(BWD_RANGE):
+                backward(y)
+                torch.cuda.synchronize()
+    ranges = {FWD_RANGE: [], BWD_RANGE: []}
+    kernels = []
+    for e in prof.events():
+        if e.name in ranges and e.device_type == torch.autograd.DeviceType.CPU:
+            ranges[e.name].append((e.time_range.start, e.time_range.end))
+        elif e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            kernels.append(e)
+    out = {phase: {"gemm_us": 0.0, "passes_us": 0.0, "kernels": {}} for phase in ("fwd", "bwd")}
+    unplaced = 0
+    for e in kernels:
+        start = e.time_range.start
+        phase = next((p for p, name in (("fwd", FWD_RANGE), ("bwd", BWD_RANGE))
+                      if any(a <= start <= b for a, b in ranges[name])), None)
+        if phase is None:
+            unplaced += 1
             continue
-        if "grouped_gemm_kernel" in e.key:
-            gemm += e.device_time_total / iters
-        else:
-            passes += e.device_time_total / iters
-    return {"gemm_us": gemm, "passes_us": passes, "total_us": gemm + passes}
+        us = e.time_range.elapsed_us() / iters
+        part = out[phase]
+        part["gemm_us" if "grouped_gemm_kernel" in e.name else "passes_us"] += us
+        name = short_name(e.name)
+        part["kernels"][name] = part["kernels"].get(name, 0.0) + us
+    if unplaced:
+        raise RuntimeError(f"{unplaced} kernels started outside the forward and backward ranges")
+    for part in out.values():
+        part["total_us"] = part["gemm_us"] + part["passes_us"]
+    out["fwd_bwd"] = {key: out["fwd"][key] + out["bwd"][key]
+                      for key in ("gemm_us", "passes_us", "total_us")}
+    return out
 
 
 def settle(call, seconds: float) -> None:
@@ -78,21 +107,24 @@ def measure_preset(model: str, tokens: int, iters: int, settle_seconds: float) -
     x, ids, weights, w_gate_up, w_down, dy = layer_inputs(shape, tokens)
     out = {}
     for precision in PRECISIONS:
-        def forward(backward: bool):
-            y = megamoe.moe(x, ids, weights, w_gate_up, w_down, backend="fused",
-                            precision=precision, backward_mode="saved", check_ids=False)
-            if backward:
-                y.backward(dy)
-                for t in (x, weights, w_gate_up, w_down):
-                    t.grad = None
+        def forward():
+            return megamoe.moe(x, ids, weights, w_gate_up, w_down, backend="fused",
+                               precision=precision, backward_mode="saved", check_ids=False)
 
-        settle(lambda: forward(True), settle_seconds)
-        fwd = kernel_times(lambda: forward(False), iters)
-        fwd_bwd = kernel_times(lambda: forward(True), iters)
-        bwd = {key: fwd_bwd[key] - fwd[key] for key in fwd}
-        out[precision] = {"fwd": fwd, "fwd_bwd": fwd_bwd, "bwd": bwd}
+        def backward(y):
+            y.backward(dy)
+            for t in (x, weights, w_gate_up, w_down):
+                t.grad = None
+
+        settle(lambda: backward(forward()), settle_seconds)
+        times = split_kernel_times(forward, backward, iters)
+        out[precision] = times
+        fwd, both = times["fwd"], times["fwd_bwd"]
         print(f"  {model} {precision}: fwd {fwd['total_us']:.1f} us (GEMMs {fwd['gemm_us']:.1f}), "
-              f"fwd+bwd {fwd_bwd['total_us']:.1f} us (GEMMs {fwd_bwd['gemm_us']:.1f})", flush=True)
+              f"fwd+bwd {both['total_us']:.1f} us (GEMMs {both['gemm_us']:.1f})", flush=True)
+        for phase in ("fwd", "bwd"):
+            for name, us in sorted(times[phase]["kernels"].items(), key=lambda kv: -kv[1]):
+                print(f"    {phase} {us:9.1f}  {name[:100]}")
     return {"shape": {"H": shape.H, "I": shape.I, "E": shape.E, "k": shape.k},
             "tokens": tokens, "kernels": out}
 
