@@ -67,7 +67,8 @@ def split_kernel_times(forward, backward, iters: int) -> dict:
     for e in prof.events():
         if e.name in ranges and e.device_type == torch.autograd.DeviceType.CPU:
             ranges[e.name].append((e.time_range.start, e.time_range.end))
-        elif e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+        elif (e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+              and e.name not in ranges):  # not the ranges' own GPU-side annotations
             kernels.append(e)
     out = {phase: {"gemm_us": 0.0, "passes_us": 0.0, "kernels": {}} for phase in ("fwd", "bwd")}
     unplaced = 0
