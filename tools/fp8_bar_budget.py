@@ -31,7 +31,7 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 from megamoe.bench import measure_gemm_peak_tflops
@@ -46,46 +46,39 @@ BARS = (("fp8 forward", "fp8", "fwd", 1.5),
         ("fp8 forward + backward", "fp8", "fwd_bwd", 1.35),
         ("fp8_bwd backward", "fp8_bwd", "bwd", 1.35))
 PEAK_SHARE_BAR = 0.65  # the fp8 forward's share of the sustained FP8 peak
-FWD_RANGE, BWD_RANGE = "fp8_bar_budget.forward", "fp8_bar_budget.backward"
+
+
+def gpu_kernels(prof) -> list:
+    """The profile's kernels (and other GPU work) in the order they started."""
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.device_time_total > 0), key=lambda e: e.time_range.start)
 
 
 def split_kernel_times(forward, backward, iters: int) -> dict:
     """GPU time per call (us) of the grouped GEMMs and of the other kernels, for the forward
     and the backward of `iters` training calls, as megamoe-bench times them: each forward
-    followed by its backward. A synchronization after each part lets the kernels be told
-    apart by the profiler range (forward or backward) that their start falls in."""
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    followed by its backward. A call's first kernels are its forward's: as many as one
+    forward alone launches."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    forward_kernels = len(gpu_kernels(prof))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            with record_function(FWD_RANGE):
-                y = forward()
-                torch.cuda.synchronize()
-            with record_function(BWD_RANGE):
-                backward(y)
-                torch.cuda.synchronize()
-    ranges = {FWD_RANGE: [], BWD_RANGE: []}
-    kernels = []
-    for e in prof.events():
-        if e.name in ranges and e.device_type == torch.autograd.DeviceType.CPU:
-            ranges[e.name].append((e.time_range.start, e.time_range.end))
-        elif (e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
-              and e.name not in ranges):  # not the ranges' own GPU-side annotations
-            kernels.append(e)
+            backward(forward())
+        torch.cuda.synchronize()
+    kernels = gpu_kernels(prof)
+    per_call = len(kernels) // iters
+    if len(kernels) % iters or per_call <= forward_kernels:
+        raise RuntimeError(f"{len(kernels)} kernels in {iters} training calls, {forward_kernels} "
+                           "in a forward: not one forward and one backward a call")
     out = {phase: {"gemm_us": 0.0, "passes_us": 0.0, "kernels": {}} for phase in ("fwd", "bwd")}
-    unplaced = 0
-    for e in kernels:
-        start = e.time_range.start
-        phase = next((p for p, name in (("fwd", FWD_RANGE), ("bwd", BWD_RANGE))
-                      if any(a <= start <= b for a, b in ranges[name])), None)
-        if phase is None:
-            unplaced += 1
-            continue
+    for i, e in enumerate(kernels):
+        part = out["fwd" if i % per_call < forward_kernels else "bwd"]
         us = e.time_range.elapsed_us() / iters
-        part = out[phase]
         part["gemm_us" if "grouped_gemm_kernel" in e.name else "passes_us"] += us
         name = short_name(e.name)
         part["kernels"][name] = part["kernels"].get(name, 0.0) + us
-    if unplaced:
-        raise RuntimeError(f"{unplaced} kernels started outside the forward and backward ranges")
     for part in out.values():
         part["total_us"] = part["gemm_us"] + part["passes_us"]
     out["fwd_bwd"] = {key: out["fwd"][key] + out["bwd"][key]

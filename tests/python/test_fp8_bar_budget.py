@@ -1,13 +1,16 @@
-"""tools/fp8_bar_budget.py's arithmetic: from per-kernel times split into GEMMs and passes,
-each bar's ratio, the ratio with the FP8 side's passes at the bf16 side's cost, and the FP8
-GEMM rate the bar needs (as a share of the FP8 peak)."""
+"""tools/fp8_bar_budget.py without a GPU: a training call's kernels split into its forward's
+and its backward's, GEMMs and passes apart; and from those times each bar's ratio, the ratio
+with the FP8 side's passes at the bf16 side's cost, and the FP8 GEMM rate the bar needs (as
+a share of the FP8 peak)."""
 
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import fp8_bar_budget  # noqa: E402
 from fp8_bar_budget import budget  # noqa: E402
 
 
@@ -57,3 +60,75 @@ def test_a_bar_the_passes_alone_exceed_needs_no_rate():
     rows = {r["bar"]: r for r in budget(preset, peak_bf16=2.0, peak_fp8=4.0)}
     assert rows["fp8 forward"]["fp8_gemm_share_needed"] is None
     assert rows["fp8 forward"]["fp8_gemm_share_needed_bf16_passes"] is not None
+
+
+class _Range:
+    def __init__(self, start, us):
+        self.start, self._us = start, us
+
+    def elapsed_us(self):
+        return self._us
+
+
+class _Kernel:
+    device_type = torch.autograd.DeviceType.CUDA
+
+    def __init__(self, name, start, us):
+        self.name, self.time_range, self.device_time_total = name, _Range(start, us), us
+
+
+class _Recorder:
+    """Stands in for torch.profiler.profile: the kernels the fake layer 'launches' while it
+    is open, out of order (the split must sort them by start)."""
+    launched = None
+
+    def __init__(self, activities):
+        pass
+
+    def __enter__(self):
+        _Recorder.launched = []
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def events(self):
+        return list(reversed(_Recorder.launched))
+
+
+GEMM = "void megamoe::sm90::grouped_gemm_kernel<megamoe::sm90::GroupedGemm<...>>(...)"
+
+
+def _launch(name, us):
+    _Recorder.launched.append(_Kernel(name, len(_Recorder.launched), us))
+
+
+def test_a_calls_kernels_split_into_its_forward_and_backward(monkeypatch):
+    monkeypatch.setattr(fp8_bar_budget, "profile", _Recorder)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def forward():  # 3 kernels: a pass, a GEMM, a pass
+        _launch("plan_kernel", 10.0)
+        _launch(GEMM, 100.0)
+        _launch("combine_rows_kernel", 20.0)
+        return "y"
+
+    def backward(y):  # 2 kernels
+        assert y == "y"
+        _launch(GEMM, 300.0)
+        _launch("quantize_fp8_kernel", 40.0)
+
+    t = fp8_bar_budget.split_kernel_times(forward, backward, iters=4)
+    assert t["fwd"]["gemm_us"] == pytest.approx(100.0)
+    assert t["fwd"]["passes_us"] == pytest.approx(30.0)
+    assert t["bwd"]["gemm_us"] == pytest.approx(300.0)
+    assert t["bwd"]["passes_us"] == pytest.approx(40.0)
+    assert t["fwd_bwd"]["total_us"] == pytest.approx(470.0)
+    assert t["fwd"]["kernels"]["plan_kernel"] == pytest.approx(10.0)
+
+
+def test_a_backward_that_launches_nothing_is_an_error(monkeypatch):
+    monkeypatch.setattr(fp8_bar_budget, "profile", _Recorder)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with pytest.raises(RuntimeError, match="not one forward and one backward"):
+        fp8_bar_budget.split_kernel_times(lambda: _launch(GEMM, 1.0), lambda y: None, iters=2)
