@@ -34,7 +34,8 @@
 #                  $TRAIN_NAME-epEP (TRAIN_ARGS: extra arguments)
 #   profile        per-kernel times of both presets (saved mode)
 #   smoke          megamoe-train's embedded GPU default for 10 steps
-#   attn           PyTorch's attention backends on the trainer's attention (tools/attention_backends.py)
+#   attn           PyTorch's attention backends on the trainer's attention (tools/attention_backends.py;
+#                  ATTN_ARGS: extra arguments)
 #   train:B[,B..]  megamoe-train-bench rows of backends B (mega_moe, torch, hf) for the record
 #                  named by $TRAIN_NAME (TRAIN_ARGS: extra arguments, e.g. "--steps 20")
 #   det            a second 50-step mega_moe run beside the saved first one (determinism)

@@ -241,7 +241,8 @@ MEGAMOE_API megamoe_status megamoe_fused_backward(
  * H/128 * ceil4(T*k) fp32 scales), in the bytes of a bf16 row buffer that the call writes
  * only after reading them (docs/fp8.md, "Workspace"). The environment variable
  * MEGAMOE_FP8_GATHER_A=1, read on every call, makes the GEMMs gather x's and dy's rows from
- * token-matrix copies instead (a diagnostic for the GPU; the same bits, the same workspace).
+ * token-matrix copies instead (a diagnostic for the GPU; the same bits but for d_topk_weights,
+ * which may differ by fp32 rounding; the same workspace).
  * ------------------------------------------------------------------------------------- */
 
 MEGAMOE_API megamoe_status megamoe_fused_fp8_workspace_size(int64_t tokens, int64_t topk,

@@ -109,7 +109,8 @@ class DataConfig:
     shuffle: bool = option(True, "shuffle the documents before packing, anew each epoch "
                            "(seeded by train.seed and the epoch)")
     cache_dir: str = option("", "where the trained tokenizer and the tokenized corpus are "
-                            "cached; default $MEGAMOE_CACHE_DIR, else ~/.cache/megamoe")
+                            "cached; default $MEGAMOE_CACHE_DIR, else $XDG_CACHE_HOME/megamoe, else "
+                            "~/.cache/megamoe")
 
 
 @dataclass
