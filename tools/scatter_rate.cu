@@ -5,7 +5,12 @@
 // the same bytes read alone and written alone. The FP8 to-rows quantizer
 // (quantize_fp8_to_rows) moves this traffic plus 4-byte scales at 2.5-2.7 TB/s; this says
 // how far that is from what the pattern itself allows (performance log, fifteenth session
-// of 2026-12-04).
+// of 2026-12-04). The warp-per-row quantizer with these stores was no faster than the tile
+// kernel, so the quantizing itself holds the pass back; the rows below take it apart: the
+// same scatter with 8-byte stores (the e4m3 pieces' width), with the 1x128 maxima and the
+// e4m3 rounding of fp8_recipe.cuh (16 lanes a block, 4 shuffles), with the 4-byte scales
+// stored as the GEMMs read them (scale of row r's block j at scales[j * ld + r], lanes 0-15
+// one block each), and with both: the quantizer's traffic and work, without its tiling.
 //
 // Build (nothing to link):
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc tools/scatter_rate.cu \
@@ -14,14 +19,18 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "check_cuda.h"
+#include "kernels/common/fp8_recipe.cuh"
 #include "rate_util.cuh"
 
 namespace {
@@ -31,14 +40,41 @@ constexpr int kThreads = 256;
 constexpr int kIn = kH * 2 / 16 / 32;   // 16-byte loads a lane per token (8)
 constexpr int kOut = kH / 16 / 32;      // 16-byte stores a lane per row (4)
 
-enum Mode { kCopy, kWriteOnly, kReadOnly };
+constexpr int kBlocks = kH / 128;       // 1x128 blocks a row (16)
+constexpr int64_t kScaleLd = kT * kK;   // scales[j * kScaleLd + r]: the sorted rows' count
 
-// One warp per token: its row's loads all in flight, then its k rows' stores (each lane's
-// 64 bytes of a row from its first loads: the bytes are not what is measured).
+enum Mode { kCopy, kWriteOnly, kReadOnly, kCopy8, kCopyScales, kQuantize, kQuantizeScales };
+
+// kQuantize*: the 1x128 blocks of this lane's 8 pieces (piece i * 32 + lane holds columns
+// 8 (i * 32 + lane) .. + 7, so block 2 i + lane / 16 is held by the 16 lanes of a half-warp)
+// rounded to e4m3 as quantize_fp8 does, 8 bytes a piece; scale[i] is block 2 i + lane / 16's.
+__device__ __forceinline__ void quantize_pieces(const uint4 (&v)[kIn], uint2 (&q)[kIn],
+                                                float (&scale)[kIn]) {
+#pragma unroll
+  for (int i = 0; i < kIn; ++i) {
+    uint32_t m = megamoe::max_of_halves(megamoe::max_halves(
+        megamoe::max_halves(v[i].x & megamoe::kBf16AbsMask2, v[i].y & megamoe::kBf16AbsMask2),
+        megamoe::max_halves(v[i].z & megamoe::kBf16AbsMask2, v[i].w & megamoe::kBf16AbsMask2)));
+#pragma unroll
+    for (int off = 1; off < 16; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
+    const megamoe::Fp8BlockScale s = megamoe::fp8_block_scale_bf16(m);
+    q[i] = make_uint2(megamoe::fp8_quad(v[i].x, v[i].y, s.r, s.r, s.r, s.r),
+                      megamoe::fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r));
+    scale[i] = s.scale;
+  }
+}
+
+// One warp per token: its row's loads all in flight, then its k rows' stores (in the copy
+// modes each lane's 64 bytes of a row from its first loads: the bytes are not what is
+// measured).
 template <Mode kMode>
 __global__ void __launch_bounds__(kThreads)
     scatter_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ dest,
-                   uint4* __restrict__ rows, int32_t* __restrict__ sink) {
+                   uint4* __restrict__ rows, float* __restrict__ scales,
+                   int32_t* __restrict__ sink) {
+  constexpr bool kQuantized = kMode == kQuantize || kMode == kQuantizeScales;
+  constexpr bool kScales = kMode == kCopyScales || kMode == kQuantizeScales;
+  constexpr bool kNarrow = kMode == kCopy8 || kQuantized;  // 8-byte stores
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
   uint32_t acc = 0;
@@ -54,11 +90,41 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < kIn; ++i) acc ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
       continue;
     }
+    uint2 q[kIn];
+    float scale[kIn];
+    if constexpr (kQuantized) {
+      quantize_pieces(v, q, scale);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kIn; ++i) {
+        q[i] = make_uint2(v[i].x ^ v[i].z, v[i].y ^ v[i].w);
+        scale[i] = __uint_as_float(v[i].x);
+      }
+    }
+    // Lanes 0-15 store the scales, lane b block b's: it is scale[b / 2] of the half-warp
+    // b % 2 * 16 .. (the quantizer's "lanes 0-15 one block each").
+    float my_scale = 0.f;
+    if constexpr (kScales) {
+#pragma unroll
+      for (int i = 0; i < kIn; ++i) {
+        const float si = __shfl_sync(~0u, scale[i], lane % 2 * 16);
+        if (lane / 2 == i) my_scale = si;
+      }
+    }
     const int32_t my_dest = lane < kK ? dest[t * kK + lane] : 0;
     for (int j = 0; j < kK; ++j) {
       const int64_t r = __shfl_sync(0xffffffffu, my_dest, j);
+      if constexpr (kNarrow) {
+        uint2* row = reinterpret_cast<uint2*>(rows) + r * (kH / 8);
 #pragma unroll
-      for (int i = 0; i < kOut; ++i) rows[r * (kH / 16) + i * 32 + lane] = v[i];
+        for (int i = 0; i < kIn; ++i) row[i * 32 + lane] = q[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kOut; ++i) rows[r * (kH / 16) + i * 32 + lane] = v[i];
+      }
+      if constexpr (kScales) {
+        if (lane < kBlocks) scales[lane * kScaleLd + r] = my_scale;
+      }
     }
   }
   if (acc == 0x12345678u) sink[0] = 1;  // keeps the read-only loads
@@ -66,14 +132,64 @@ __global__ void __launch_bounds__(kThreads)
 
 template <Mode kMode>
 void time_mode(const char* what, const uint4* x, const int32_t* dest, uint4* rows,
-               int32_t* sink, int blocks, int iters) {
+               float* scales, int32_t* sink, int blocks, int iters) {
   const double us = rate_util::median_us(
-      [&] { scatter_kernel<kMode><<<blocks, kThreads>>>(x, dest, rows, sink); }, iters, 3);
+      [&] { scatter_kernel<kMode><<<blocks, kThreads>>>(x, dest, rows, scales, sink); }, iters,
+      3);
   const double read = kMode == kWriteOnly ? 0 : kT * kH * 2.0;
-  const double written = kMode == kReadOnly ? 0 : kT * kK * kH * 1.0;
+  const bool with_scales = kMode == kCopyScales || kMode == kQuantizeScales;
+  const double written = kMode == kReadOnly ? 0 : kT * kK * (kH + (with_scales ? kBlocks * 4 : 0));
   std::printf("%-34s %4d blocks  %7.1f us  read %5.1f MiB  written %6.1f MiB  %6.2f TB/s\n",
               what, blocks, us, read / (1 << 20), written / (1 << 20),
               (read + written) / (us * 1e6));
+}
+
+// e4m3 (bias 7, no infinities, 0x7F / 0xFF NaN) to float.
+float e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  return (b & 0x80) ? -mag : mag;
+}
+
+float bf16_value(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// kQuantizeScales' output against x for every 97th token: each block's scale is
+// max(amax, 2^-100) / 448 (fp32 division, as fp8_recipe.cuh) and each value's e4m3 times it
+// is within half an e4m3 step of x (a relative 2^-4, or 2^-10 of the scale below the normal
+// range). Returns the number of mismatches.
+int check_quantized(const uint4* x_dev, const int32_t* dest_dev, const uint4* rows_dev,
+                    const float* scales_dev) {
+  std::vector<uint16_t> x(kT * kH);
+  std::vector<int32_t> dest(kT * kK);
+  std::vector<uint8_t> rows(kT * kK * kH);
+  std::vector<float> scales(kBlocks * kScaleLd);
+  CK(cudaMemcpy(x.data(), x_dev, x.size() * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(dest.data(), dest_dev, dest.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(rows.data(), rows_dev, rows.size(), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(scales.data(), scales_dev, scales.size() * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int64_t t = 0; t < kT; t += 97) {
+    for (int b = 0; b < kBlocks; ++b) {
+      float amax = 0.f;
+      for (int c = 0; c < 128; ++c) amax = std::max(amax, std::fabs(bf16_value(x[t * kH + b * 128 + c])));
+      const float scale = std::max(amax, 0x1p-100f) / 448.f;
+      for (int j = 0; j < kK; ++j) {
+        const int64_t r = dest[t * kK + j];
+        bad += scales[b * kScaleLd + r] != scale;
+        for (int c = 0; c < 128; ++c) {
+          const float v = bf16_value(x[t * kH + b * 128 + c]);
+          const float got = e4m3_value(rows[r * kH + b * 128 + c]) * scale;
+          bad += !(std::fabs(got - v) <= std::fabs(v) * 0x1p-4f + scale * 0x1p-10f);
+        }
+      }
+    }
+  }
+  return bad;
 }
 
 }  // namespace
@@ -83,13 +199,17 @@ int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
   const int sms = rate_util::sm_count();
   uint4 *x, *rows;
+  float* scales;
   int32_t *dest_random, *dest_ordered, *sink;
   CK(cudaMalloc(&x, kT * kH * 2));
   CK(cudaMalloc(&rows, kT * kK * kH));
+  CK(cudaMalloc(&scales, kBlocks * kScaleLd * 4));
   CK(cudaMalloc(&dest_random, kT * kK * 4));
   CK(cudaMalloc(&dest_ordered, kT * kK * 4));
   CK(cudaMalloc(&sink, 4));
-  CK(cudaMemset(x, 1, kT * kH * 2));
+  // Values in (-1, 1): the quantizing modes' maxima and scales see a model's kind of rows.
+  rate_util::fill_rows<<<4 * sms, 256>>>(reinterpret_cast<__nv_bfloat16*>(x), kT * kH, 7);
+  CK(cudaGetLastError());
   std::vector<int32_t> perm(kT * kK);
   std::iota(perm.begin(), perm.end(), 0);
   CK(cudaMemcpy(dest_ordered, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
@@ -97,13 +217,21 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(dest_random, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
   for (const int per_sm : {2, 4, 8}) {
     const int blocks = per_sm * sms;
-    time_mode<kCopy>("read + scattered rows (random)", x, dest_random, rows, sink, blocks, iters);
-    time_mode<kCopy>("read + rows in token order", x, dest_ordered, rows, sink, blocks, iters);
-    time_mode<kWriteOnly>("scattered rows only (random)", x, dest_random, rows, sink, blocks,
-                          iters);
-    time_mode<kReadOnly>("read only", x, dest_random, rows, sink, blocks, iters);
+    const auto timed = [&](auto mode, const char* what, const int32_t* dest) {
+      time_mode<decltype(mode)::value>(what, x, dest, rows, scales, sink, blocks, iters);
+    };
+    timed(std::integral_constant<Mode, kCopy>{}, "read + scattered rows (random)", dest_random);
+    timed(std::integral_constant<Mode, kCopy>{}, "read + rows in token order", dest_ordered);
+    timed(std::integral_constant<Mode, kWriteOnly>{}, "scattered rows only (random)", dest_random);
+    timed(std::integral_constant<Mode, kReadOnly>{}, "read only", dest_random);
+    timed(std::integral_constant<Mode, kCopy8>{}, "as the first, 8-byte stores", dest_random);
+    timed(std::integral_constant<Mode, kCopyScales>{}, "as the first, + 4-byte scales", dest_random);
+    timed(std::integral_constant<Mode, kQuantize>{}, "quantized (1x128, e4m3)", dest_random);
+    timed(std::integral_constant<Mode, kQuantizeScales>{}, "quantized + scales", dest_random);
   }
-  CK(cudaFree(x)); CK(cudaFree(rows)); CK(cudaFree(dest_random)); CK(cudaFree(dest_ordered));
-  CK(cudaFree(sink));
-  return 0;
+  const int bad = check_quantized(x, dest_random, rows, scales);
+  std::printf("quantized + scales against x: %s (%d mismatches)\n", bad ? "FAILED" : "ok", bad);
+  CK(cudaFree(x)); CK(cudaFree(rows)); CK(cudaFree(scales)); CK(cudaFree(dest_random));
+  CK(cudaFree(dest_ordered)); CK(cudaFree(sink));
+  return bad ? 1 : 0;
 }
