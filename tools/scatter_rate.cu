@@ -11,6 +11,8 @@
 // e4m3 rounding of fp8_recipe.cuh (16 lanes a block, 4 shuffles), with the 4-byte scales
 // stored as the GEMMs read them (scale of row r's block j at scales[j * ld + r], lanes 0-15
 // one block each), and with both: the quantizer's traffic and work, without its tiling.
+// Last, the scales of a row stored together (64 bytes a row) and transposed into the GEMMs'
+// layout by a pass of their own, timed apart: what that layout would cost and give back.
 //
 // Build (nothing to link):
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc tools/scatter_rate.cu \
@@ -43,7 +45,10 @@ constexpr int kOut = kH / 16 / 32;      // 16-byte stores a lane per row (4)
 constexpr int kBlocks = kH / 128;       // 1x128 blocks a row (16)
 constexpr int64_t kScaleLd = kT * kK;   // scales[j * kScaleLd + r]: the sorted rows' count
 
-enum Mode { kCopy, kWriteOnly, kReadOnly, kCopy8, kCopyScales, kQuantize, kQuantizeScales };
+enum Mode {
+  kCopy, kWriteOnly, kReadOnly, kCopy8, kCopyScales, kQuantize, kQuantizeScales,
+  kQuantizeRowScales  // the scales of a row together (scales[r * kBlocks + j]): 64 bytes a row
+};
 
 // kQuantize*: the 1x128 blocks of this lane's 8 pieces (piece i * 32 + lane holds columns
 // 8 (i * 32 + lane) .. + 7, so block 2 i + lane / 16 is held by the 16 lanes of a half-warp)
@@ -72,8 +77,10 @@ __global__ void __launch_bounds__(kThreads)
     scatter_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ dest,
                    uint4* __restrict__ rows, float* __restrict__ scales,
                    int32_t* __restrict__ sink) {
-  constexpr bool kQuantized = kMode == kQuantize || kMode == kQuantizeScales;
-  constexpr bool kScales = kMode == kCopyScales || kMode == kQuantizeScales;
+  constexpr bool kQuantized =
+      kMode == kQuantize || kMode == kQuantizeScales || kMode == kQuantizeRowScales;
+  constexpr bool kScales =
+      kMode == kCopyScales || kMode == kQuantizeScales || kMode == kQuantizeRowScales;
   constexpr bool kNarrow = kMode == kCopy8 || kQuantized;  // 8-byte stores
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
@@ -123,11 +130,29 @@ __global__ void __launch_bounds__(kThreads)
         for (int i = 0; i < kOut; ++i) rows[r * (kH / 16) + i * 32 + lane] = v[i];
       }
       if constexpr (kScales) {
-        if (lane < kBlocks) scales[lane * kScaleLd + r] = my_scale;
+        if (lane < kBlocks) {
+          scales[kMode == kQuantizeRowScales ? r * kBlocks + lane : lane * kScaleLd + r] = my_scale;
+        }
       }
     }
   }
   if (acc == 0x12345678u) sink[0] = 1;  // keeps the read-only loads
+}
+
+// kQuantizeRowScales' scales put where the GEMMs read them: [r][j] -> [j][r], a 32 x 16
+// tile of rows per warp (the pass this layout would need after the to-rows kernel).
+__global__ void __launch_bounds__(kThreads)
+    transpose_scales_kernel(const float* __restrict__ by_row, float* __restrict__ by_block) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
+  for (int64_t r0 = (blockIdx.x * int64_t(kThreads / 32) + threadIdx.x / 32) * 32; r0 < kScaleLd;
+       r0 += warps * 32) {
+    float v[kBlocks];
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j) v[j] = by_row[(r0 + lane) * kBlocks + j];
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j) by_block[j * kScaleLd + r0 + lane] = v[j];
+  }
 }
 
 template <Mode kMode>
@@ -137,7 +162,8 @@ void time_mode(const char* what, const uint4* x, const int32_t* dest, uint4* row
       [&] { scatter_kernel<kMode><<<blocks, kThreads>>>(x, dest, rows, scales, sink); }, iters,
       3);
   const double read = kMode == kWriteOnly ? 0 : kT * kH * 2.0;
-  const bool with_scales = kMode == kCopyScales || kMode == kQuantizeScales;
+  const bool with_scales =
+      kMode == kCopyScales || kMode == kQuantizeScales || kMode == kQuantizeRowScales;
   const double written = kMode == kReadOnly ? 0 : kT * kK * (kH + (with_scales ? kBlocks * 4 : 0));
   std::printf("%-34s %4d blocks  %7.1f us  read %5.1f MiB  written %6.1f MiB  %6.2f TB/s\n",
               what, blocks, us, read / (1 << 20), written / (1 << 20),
@@ -228,9 +254,22 @@ int main(int argc, char** argv) {
     timed(std::integral_constant<Mode, kCopyScales>{}, "as the first, + 4-byte scales", dest_random);
     timed(std::integral_constant<Mode, kQuantize>{}, "quantized (1x128, e4m3)", dest_random);
     timed(std::integral_constant<Mode, kQuantizeScales>{}, "quantized + scales", dest_random);
+    timed(std::integral_constant<Mode, kQuantizeRowScales>{}, "quantized + scales by row",
+          dest_random);
   }
+  // The transpose the by-row scales would need (8 MiB read, 8 MiB written).
+  float* by_row;
+  CK(cudaMalloc(&by_row, kBlocks * kScaleLd * 4));
+  scatter_kernel<kQuantizeRowScales><<<4 * sms, kThreads>>>(x, dest_random, rows, by_row, sink);
+  const double transpose_us = rate_util::median_us(
+      [&] { transpose_scales_kernel<<<4 * sms, kThreads>>>(by_row, scales); }, iters, 3);
+  std::printf("%-34s %4d blocks  %7.1f us\n", "by-row scales transposed", 4 * sms, transpose_us);
+  // The last rows written are kQuantizeRowScales' (same values as kQuantizeScales'), their
+  // scales transposed into the GEMMs' layout: both paths checked at once.
   const int bad = check_quantized(x, dest_random, rows, scales);
-  std::printf("quantized + scales against x: %s (%d mismatches)\n", bad ? "FAILED" : "ok", bad);
+  std::printf("quantized + scales by row, transposed, against x: %s (%d mismatches)\n",
+              bad ? "FAILED" : "ok", bad);
+  CK(cudaFree(by_row));
   CK(cudaFree(x)); CK(cudaFree(rows)); CK(cudaFree(scales)); CK(cudaFree(dest_random));
   CK(cudaFree(dest_ordered)); CK(cudaFree(sink));
   return bad ? 1 : 0;
