@@ -26,7 +26,6 @@ doubled for the two dgrads and two weight gradients).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -34,7 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import megamoe
-from megamoe.bench import measure_gemm_peak_tflops
+from megamoe.bench import git_commit, measure_gemm_peak_tflops
 from megamoe.presets import get_preset
 
 from layer_inputs import layer_inputs
@@ -190,16 +189,6 @@ def print_budget(model: str, rows: list[dict]) -> None:
               f"{pct(r['bf16_gemm_share_of_bf16_peak'])} |")
 
 
-def git_commit() -> str | None:
-    if os.environ.get("MEGAMOE_BENCH_COMMIT"):
-        return os.environ["MEGAMOE_BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen3-30b-a3b,qwen3-235b-a22b",
@@ -231,8 +220,8 @@ def main():
               "peak_seconds": args.peak_seconds,
               "sustained_peak_tflops": {"bf16": peak_bf16, "fp8": peak_fp8}, "presets": {}}
     for model in models:
-        print(f"profiling {model} ({', '.join(PRECISIONS)}; forward, then forward + backward)",
-              flush=True)
+        print(f"profiling {model} ({', '.join(PRECISIONS)}; training calls, the forward and "
+              "the backward apart)", flush=True)
         preset = measure_preset(model, args.tokens, args.iters, args.settle_seconds)
         preset["budget"] = budget(preset, peak_bf16, peak_fp8)
         result["presets"][model] = preset
