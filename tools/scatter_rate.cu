@@ -13,6 +13,12 @@
 // one block each), and with both: the quantizer's traffic and work, without its tiling.
 // Last, the scales of a row stored together (64 bytes a row) and transposed into the GEMMs'
 // layout by a pass of their own, timed apart: what that layout would cost and give back.
+// A random permutation of the rows is the worst case for both stores. The layer's routing
+// plan sorts stably, so a token's expert-sorted rows follow the rows of the tokens before it
+// that chose the same expert: neighbouring tokens write neighbouring rows and scales (with
+// 128 experts, runs of about 8 rows per expert per 128 tokens). The "routed" rows use
+// destinations made that way from a random top-8 of 128 experts per token, as the layer's
+// random routing gives them.
 //
 // Build (nothing to link):
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc tools/scatter_rate.cu \
@@ -44,6 +50,7 @@ constexpr int kOut = kH / 16 / 32;      // 16-byte stores a lane per row (4)
 
 constexpr int kBlocks = kH / 128;       // 1x128 blocks a row (16)
 constexpr int64_t kScaleLd = kT * kK;   // scales[j * kScaleLd + r]: the sorted rows' count
+constexpr int kRoutedExperts = 128;     // the presets' E
 
 enum Mode {
   kCopy, kWriteOnly, kReadOnly, kCopy8, kCopyScales, kQuantize, kQuantizeScales,
@@ -218,6 +225,34 @@ int check_quantized(const uint4* x_dev, const int32_t* dest_dev, const uint4* ro
   return bad;
 }
 
+// Each token's k rows as the layer's routing plan sorts them (routing_plan.h: a stable
+// counting sort of the slots by expert): a distinct random top-k of `experts` per token,
+// then row = the expert's offset + the slot's rank among that expert's slots in slot order.
+std::vector<int32_t> routed_rows(int experts, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(kT * kK), order(experts);
+  for (int64_t t = 0; t < kT; ++t) {
+    std::iota(order.begin(), order.end(), 0);
+    for (int j = 0; j < kK; ++j) {  // a partial Fisher-Yates shuffle: k distinct experts
+      std::swap(order[j], order[j + rng() % (experts - j)]);
+      ids[t * kK + j] = order[j];
+    }
+  }
+  std::vector<int64_t> next(experts + 1, 0);
+  for (const int32_t e : ids) ++next[e + 1];
+  std::partial_sum(next.begin(), next.end(), next.begin());
+  std::vector<int32_t> row(kT * kK);
+  for (int64_t s = 0; s < kT * kK; ++s) row[s] = static_cast<int32_t>(next[ids[s]]++);
+  std::vector<char> seen(kT * kK, 0);  // every sorted row exactly once
+  for (const int32_t r : row) {
+    if (r < 0 || r >= kT * kK || seen[r]++) {
+      std::fprintf(stderr, "routed_rows: not a permutation\n");
+      std::exit(1);
+    }
+  }
+  return row;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -226,12 +261,13 @@ int main(int argc, char** argv) {
   const int sms = rate_util::sm_count();
   uint4 *x, *rows;
   float* scales;
-  int32_t *dest_random, *dest_ordered, *sink;
+  int32_t *dest_random, *dest_ordered, *dest_routed, *sink;
   CK(cudaMalloc(&x, kT * kH * 2));
   CK(cudaMalloc(&rows, kT * kK * kH));
   CK(cudaMalloc(&scales, kBlocks * kScaleLd * 4));
   CK(cudaMalloc(&dest_random, kT * kK * 4));
   CK(cudaMalloc(&dest_ordered, kT * kK * 4));
+  CK(cudaMalloc(&dest_routed, kT * kK * 4));
   CK(cudaMalloc(&sink, 4));
   // Values in (-1, 1): the quantizing modes' maxima and scales see a model's kind of rows.
   rate_util::fill_rows<<<4 * sms, 256>>>(reinterpret_cast<__nv_bfloat16*>(x), kT * kH, 7);
@@ -241,6 +277,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(dest_ordered, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
   std::shuffle(perm.begin(), perm.end(), std::mt19937(12345));
   CK(cudaMemcpy(dest_random, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<int32_t> routed = routed_rows(kRoutedExperts, 12345);
+  CK(cudaMemcpy(dest_routed, routed.data(), routed.size() * 4, cudaMemcpyHostToDevice));
   for (const int per_sm : {2, 4, 8}) {
     const int blocks = per_sm * sms;
     const auto timed = [&](auto mode, const char* what, const int32_t* dest) {
@@ -256,6 +294,14 @@ int main(int argc, char** argv) {
     timed(std::integral_constant<Mode, kQuantizeScales>{}, "quantized + scales", dest_random);
     timed(std::integral_constant<Mode, kQuantizeRowScales>{}, "quantized + scales by row",
           dest_random);
+    timed(std::integral_constant<Mode, kCopy>{}, "read + scattered rows (routed)", dest_routed);
+    timed(std::integral_constant<Mode, kCopy8>{}, "routed, 8-byte stores", dest_routed);
+    timed(std::integral_constant<Mode, kCopyScales>{}, "routed, + 4-byte scales", dest_routed);
+    timed(std::integral_constant<Mode, kQuantize>{}, "routed, quantized", dest_routed);
+    timed(std::integral_constant<Mode, kQuantizeScales>{}, "routed, quantized + scales",
+          dest_routed);
+    timed(std::integral_constant<Mode, kQuantizeRowScales>{}, "routed, quantized + row scales",
+          dest_routed);
   }
   // The transpose the by-row scales would need (8 MiB read, 8 MiB written).
   float* by_row;
@@ -271,6 +317,6 @@ int main(int argc, char** argv) {
               bad ? "FAILED" : "ok", bad);
   CK(cudaFree(by_row));
   CK(cudaFree(x)); CK(cudaFree(rows)); CK(cudaFree(scales)); CK(cudaFree(dest_random));
-  CK(cudaFree(dest_ordered)); CK(cudaFree(sink));
+  CK(cudaFree(dest_ordered)); CK(cudaFree(dest_routed)); CK(cudaFree(sink));
   return bad ? 1 : 0;
 }
