@@ -18,6 +18,14 @@ gathers and the combines). For each bar it prints:
 
     python tools/fp8_bar_budget.py                       # both presets, 16384 tokens
     python tools/fp8_bar_budget.py --models qwen3-30b-a3b --json budget.json
+    python tools/fp8_bar_budget.py --forward-alone       # also a loop of forwards alone
+
+With --forward-alone it also profiles, after each precision's training calls, a loop of
+forwards alone (autograd on and saved mode as in the training calls, no backward; settled
+the same way) and prints and records that forward's kernel time beside the forward inside
+the training calls: a loop of FP8 forwards alone once ran about 11% slower than the same
+forward inside training calls, compared across two runs (performance log, seventh session
+of 2026-12-05). The bars do not use it.
 
 GEMM FLOPs per call: forward 6 T k H I, backward 12 T k H I (the bench's forward count,
 doubled for the two dgrads and two weight gradients).
@@ -85,6 +93,21 @@ def split_kernel_times(forward, backward, iters: int) -> dict:
     return out
 
 
+def forward_alone_times(forward, iters: int) -> dict:
+    """GPU time per call (us) of the grouped GEMMs and of the other kernels over `iters`
+    forwards run back to back with no backward between them."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            forward()
+        torch.cuda.synchronize()
+    out = {"gemm_us": 0.0, "passes_us": 0.0}
+    for e in gpu_kernels(prof):
+        us = e.time_range.elapsed_us() / iters
+        out["gemm_us" if "grouped_gemm_kernel" in e.name else "passes_us"] += us
+    out["total_us"] = out["gemm_us"] + out["passes_us"]
+    return out
+
+
 def settle(call, seconds: float) -> None:
     """Runs `call` back to back for `seconds`, so that the profile sees the clocks a long run
     settles at under the power cap rather than a cold GPU's boost."""
@@ -95,7 +118,8 @@ def settle(call, seconds: float) -> None:
         torch.cuda.synchronize()
 
 
-def measure_preset(model: str, tokens: int, iters: int, settle_seconds: float) -> dict:
+def measure_preset(model: str, tokens: int, iters: int, settle_seconds: float,
+                   forward_alone: bool = False) -> dict:
     shape = get_preset(model)
     x, ids, weights, w_gate_up, w_down, dy = layer_inputs(shape, tokens)
     out = {}
@@ -118,6 +142,13 @@ def measure_preset(model: str, tokens: int, iters: int, settle_seconds: float) -
         for phase in ("fwd", "bwd"):
             for name, us in sorted(times[phase]["kernels"].items(), key=lambda kv: -kv[1]):
                 print(f"    {phase} {us:9.1f}  {name[:100]}")
+        if forward_alone:
+            settle(forward, settle_seconds)
+            alone = forward_alone_times(forward, iters)
+            times["fwd_alone"] = alone
+            print(f"  {model} {precision}: fwd alone {alone['total_us']:.1f} us (GEMMs "
+                  f"{alone['gemm_us']:.1f}) against {fwd['total_us']:.1f} in training calls "
+                  f"({alone['total_us'] / fwd['total_us'] - 1:+.1%})", flush=True)
     return {"shape": {"H": shape.H, "I": shape.I, "E": shape.E, "k": shape.k},
             "tokens": tokens, "kernels": out}
 
@@ -200,6 +231,9 @@ def main():
     parser.add_argument("--peak-seconds", type=float, default=5.0,
                         help="back-to-back matmuls of each sustained peak (megamoe-bench's)")
     parser.add_argument("--json", help="write the measurements and the budget here")
+    parser.add_argument("--forward-alone", action="store_true",
+                        help="also time a loop of forwards alone beside the training calls' "
+                             "forward (not used by the bars)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_bar_budget.py: needs a CUDA GPU")
@@ -222,7 +256,8 @@ def main():
     for model in models:
         print(f"profiling {model} ({', '.join(PRECISIONS)}; training calls, the forward and "
               "the backward apart)", flush=True)
-        preset = measure_preset(model, args.tokens, args.iters, args.settle_seconds)
+        preset = measure_preset(model, args.tokens, args.iters, args.settle_seconds,
+                                args.forward_alone)
         preset["budget"] = budget(preset, peak_bf16, peak_fp8)
         result["presets"][model] = preset
         torch.cuda.empty_cache()

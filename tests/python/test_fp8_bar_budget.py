@@ -132,3 +132,19 @@ def test_a_backward_that_launches_nothing_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     with pytest.raises(RuntimeError, match="not one forward and one backward"):
         fp8_bar_budget.split_kernel_times(lambda: _launch(GEMM, 1.0), lambda y: None, iters=2)
+
+
+def test_forwards_alone_split_into_gemms_and_passes(monkeypatch):
+    monkeypatch.setattr(fp8_bar_budget, "profile", _Recorder)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def forward():
+        _launch("plan_kernel", 10.0)
+        _launch(GEMM, 100.0)
+        _launch(GEMM, 50.0)
+        return "y"
+
+    t = fp8_bar_budget.forward_alone_times(forward, iters=5)
+    assert t["gemm_us"] == pytest.approx(150.0)
+    assert t["passes_us"] == pytest.approx(10.0)
+    assert t["total_us"] == pytest.approx(160.0)
