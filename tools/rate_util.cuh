@@ -1,6 +1,7 @@
-// What the stand-alone rate tools (send_rate.cu, final_combine_rate.cu, scatter_rate.cu)
-// share: a hash for synthetic data, bf16 rows with exact +0 and -0 among them, the median
-// time of a launch, the bitwise verdict against a reference output and the SM count.
+// What the stand-alone rate tools (send_rate.cu, final_combine_rate.cu, scatter_rate.cu,
+// gather_rate.cu) share: a hash for synthetic data, bf16 rows with exact +0 and -0 among
+// them, the median time of a launch, the bitwise verdict against a reference output, the SM
+// count and the sorted rows of a random routing.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +9,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "check_cuda.h"
@@ -67,6 +72,36 @@ inline int sm_count() {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   return sms;
+}
+
+// The expert-sorted row of each of `tokens` x `k` slots as the layer's routing plan sorts
+// them (routing_plan.h: a stable counting sort of the slots by expert): a distinct random
+// top-k of `experts` per token, then row = the expert's offset + the slot's rank among that
+// expert's slots in slot order. Checked to be a permutation of the rows.
+inline std::vector<int32_t> routed_rows(int64_t tokens, int k, int experts, unsigned seed) {
+  std::mt19937 rng(seed);
+  const int64_t slots = tokens * k;
+  std::vector<int32_t> ids(slots), order(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::iota(order.begin(), order.end(), 0);
+    for (int j = 0; j < k; ++j) {  // a partial Fisher-Yates shuffle: k distinct experts
+      std::swap(order[j], order[j + rng() % (experts - j)]);
+      ids[t * k + j] = order[j];
+    }
+  }
+  std::vector<int64_t> next(experts + 1, 0);
+  for (const int32_t e : ids) ++next[e + 1];
+  std::partial_sum(next.begin(), next.end(), next.begin());
+  std::vector<int32_t> row(slots);
+  for (int64_t s = 0; s < slots; ++s) row[s] = static_cast<int32_t>(next[ids[s]]++);
+  std::vector<char> seen(slots, 0);
+  for (const int32_t r : row) {
+    if (r < 0 || r >= slots || seen[r]++) {
+      std::fprintf(stderr, "routed_rows: not a permutation\n");
+      std::exit(1);
+    }
+  }
+  return row;
 }
 
 }  // namespace rate_util

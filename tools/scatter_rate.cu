@@ -225,34 +225,6 @@ int check_quantized(const uint4* x_dev, const int32_t* dest_dev, const uint4* ro
   return bad;
 }
 
-// Each token's k rows as the layer's routing plan sorts them (routing_plan.h: a stable
-// counting sort of the slots by expert): a distinct random top-k of `experts` per token,
-// then row = the expert's offset + the slot's rank among that expert's slots in slot order.
-std::vector<int32_t> routed_rows(int experts, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> ids(kT * kK), order(experts);
-  for (int64_t t = 0; t < kT; ++t) {
-    std::iota(order.begin(), order.end(), 0);
-    for (int j = 0; j < kK; ++j) {  // a partial Fisher-Yates shuffle: k distinct experts
-      std::swap(order[j], order[j + rng() % (experts - j)]);
-      ids[t * kK + j] = order[j];
-    }
-  }
-  std::vector<int64_t> next(experts + 1, 0);
-  for (const int32_t e : ids) ++next[e + 1];
-  std::partial_sum(next.begin(), next.end(), next.begin());
-  std::vector<int32_t> row(kT * kK);
-  for (int64_t s = 0; s < kT * kK; ++s) row[s] = static_cast<int32_t>(next[ids[s]]++);
-  std::vector<char> seen(kT * kK, 0);  // every sorted row exactly once
-  for (const int32_t r : row) {
-    if (r < 0 || r >= kT * kK || seen[r]++) {
-      std::fprintf(stderr, "routed_rows: not a permutation\n");
-      std::exit(1);
-    }
-  }
-  return row;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -277,7 +249,7 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(dest_ordered, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
   std::shuffle(perm.begin(), perm.end(), std::mt19937(12345));
   CK(cudaMemcpy(dest_random, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
-  const std::vector<int32_t> routed = routed_rows(kRoutedExperts, 12345);
+  const std::vector<int32_t> routed = rate_util::routed_rows(kT, kK, kRoutedExperts, 12345);
   CK(cudaMemcpy(dest_routed, routed.data(), routed.size() * 4, cudaMemcpyHostToDevice));
   for (const int per_sm : {2, 4, 8}) {
     const int blocks = per_sm * sms;
