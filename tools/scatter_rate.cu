@@ -34,6 +34,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -256,24 +257,23 @@ int main(int argc, char** argv) {
     const auto timed = [&](auto mode, const char* what, const int32_t* dest) {
       time_mode<decltype(mode)::value>(what, x, dest, rows, scales, sink, blocks, iters);
     };
-    timed(std::integral_constant<Mode, kCopy>{}, "read + scattered rows (random)", dest_random);
+    // The same traffic to each kind of destinations, bare and then quantized.
+    const auto stores = [&](const int32_t* dest, const std::string& routing) {
+      const auto row = [&](auto mode, const char* what) {
+        timed(mode, (routing + ", " + what).c_str(), dest);
+      };
+      row(std::integral_constant<Mode, kCopy>{}, "read + scattered rows");
+      row(std::integral_constant<Mode, kCopy8>{}, "8-byte stores");
+      row(std::integral_constant<Mode, kCopyScales>{}, "+ 4-byte scales");
+      row(std::integral_constant<Mode, kQuantize>{}, "quantized (1x128, e4m3)");
+      row(std::integral_constant<Mode, kQuantizeScales>{}, "quantized + scales");
+      row(std::integral_constant<Mode, kQuantizeRowScales>{}, "quantized + scales by row");
+    };
+    stores(dest_random, "random");
     timed(std::integral_constant<Mode, kCopy>{}, "read + rows in token order", dest_ordered);
     timed(std::integral_constant<Mode, kWriteOnly>{}, "scattered rows only (random)", dest_random);
     timed(std::integral_constant<Mode, kReadOnly>{}, "read only", dest_random);
-    timed(std::integral_constant<Mode, kCopy8>{}, "as the first, 8-byte stores", dest_random);
-    timed(std::integral_constant<Mode, kCopyScales>{}, "as the first, + 4-byte scales", dest_random);
-    timed(std::integral_constant<Mode, kQuantize>{}, "quantized (1x128, e4m3)", dest_random);
-    timed(std::integral_constant<Mode, kQuantizeScales>{}, "quantized + scales", dest_random);
-    timed(std::integral_constant<Mode, kQuantizeRowScales>{}, "quantized + scales by row",
-          dest_random);
-    timed(std::integral_constant<Mode, kCopy>{}, "read + scattered rows (routed)", dest_routed);
-    timed(std::integral_constant<Mode, kCopy8>{}, "routed, 8-byte stores", dest_routed);
-    timed(std::integral_constant<Mode, kCopyScales>{}, "routed, + 4-byte scales", dest_routed);
-    timed(std::integral_constant<Mode, kQuantize>{}, "routed, quantized", dest_routed);
-    timed(std::integral_constant<Mode, kQuantizeScales>{}, "routed, quantized + scales",
-          dest_routed);
-    timed(std::integral_constant<Mode, kQuantizeRowScales>{}, "routed, quantized + row scales",
-          dest_routed);
+    stores(dest_routed, "routed");
   }
   // The transpose the by-row scales would need (8 MiB read, 8 MiB written).
   float* by_row;
