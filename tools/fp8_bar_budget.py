@@ -61,6 +61,11 @@ def gpu_kernels(prof) -> list:
                    and e.device_time_total > 0), key=lambda e: e.time_range.start)
 
 
+def bucket(kernel_name: str) -> str:
+    """Which sum a kernel's time goes to: the grouped GEMMs' or the passes'."""
+    return "gemm_us" if "grouped_gemm_kernel" in kernel_name else "passes_us"
+
+
 def split_kernel_times(forward, backward, iters: int) -> dict:
     """GPU time per call (us) of the grouped GEMMs and of the other kernels, for the forward
     and the backward of `iters` training calls, as megamoe-bench times them: each forward
@@ -83,7 +88,7 @@ def split_kernel_times(forward, backward, iters: int) -> dict:
     for i, e in enumerate(kernels):
         part = out["fwd" if i % per_call < forward_kernels else "bwd"]
         us = e.time_range.elapsed_us() / iters
-        part["gemm_us" if "grouped_gemm_kernel" in e.name else "passes_us"] += us
+        part[bucket(e.name)] += us
         name = short_name(e.name)
         part["kernels"][name] = part["kernels"].get(name, 0.0) + us
     for part in out.values():
@@ -103,7 +108,7 @@ def forward_alone_times(forward, iters: int) -> dict:
     out = {"gemm_us": 0.0, "passes_us": 0.0}
     for e in gpu_kernels(prof):
         us = e.time_range.elapsed_us() / iters
-        out["gemm_us" if "grouped_gemm_kernel" in e.name else "passes_us"] += us
+        out[bucket(e.name)] += us
     out["total_us"] = out["gemm_us"] + out["passes_us"]
     return out
 
