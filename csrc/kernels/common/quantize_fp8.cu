@@ -438,45 +438,32 @@ __global__ void __launch_bounds__(kThreads, 3)
     const int64_t tiles = used * col_tiles, stride = gridDim.x;
     int64_t tile = blockIdx.x;
     if (tile >= tiles) return;
-    // Each thread's values of the next two tiles wait in its own slots of `stage` (dynamic
-    // shared memory, 2 kStageBytes: tile n in half n % 2), written by its cp.async and read
-    // by it alone: no barrier.
+    // Each thread's next-tile values wait in its own slots of `stage` (dynamic shared
+    // memory, kStageBytes), written by its cp.async and read by it alone: no barrier.
     extern __shared__ __align__(128) uint4 stage[];
-    constexpr int kHalf = kStageBytes / 16;
-    GatherRow g = gather_row(p, a.rows, tile % used), g1, g2;
+    GatherRow g = gather_row(p, a.rows, tile % used), g1;
     load_gathered_async(a, gathered_pos(tile, used), g, stage);
     float w = slot_weight(p, g);
-    if (tile + stride < tiles) {
-      g1 = gather_row(p, a.rows, (tile + stride) % used);
-      load_gathered_async(a, gathered_pos(tile + stride, used), g1, stage + kHalf);
-    }
-    if (tile + 2 * stride < tiles) g2 = gather_row(p, a.rows, (tile + 2 * stride) % used);
-    for (int half = 0;; half ^= 1) {
-      const int64_t next = tile + stride, after = next + stride, third = after + stride;
-      // This tile's group is the older of the two in flight (the last tile has one).
-      if (next < tiles) {
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      } else {
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      }
-      uint4* slots = stage + half * kHalf;
+    if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) % used);
+    for (;;) {
+      const int64_t next = tile + stride, after = next + stride;
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
       uint4 v[kRowsPerThread];
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) v[i] = slots[i * kThreads + threadIdx.x];
+      for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
       const float w1 = next < tiles ? slot_weight(p, g1) : 0.0f;
-      GatherRow g3;
-      if (third < tiles) g3 = gather_row(p, a.rows, third % used);
+      GatherRow g2;
+      if (after < tiles) g2 = gather_row(p, a.rows, after % used);
       scale_gathered(p, g, w, v);
-      // The loads of the tile after next go out once v has been read (its slots are free).
-      const auto load_after = [&] {
-        if (after < tiles) load_gathered_async(a, gathered_pos(after, used), g2, slots);
+      // The next tile's loads go out once v has been read (its slots are then free).
+      const auto load_next = [&] {
+        if (next < tiles) load_gathered_async(a, gathered_pos(next, used), g1, stage);
       };
-      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm, load_after);
+      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm, load_next);
       if (next >= tiles) break;
       g = g1;
       w = w1;
       g1 = g2;
-      g2 = g3;
       tile = next;
     }
   } else if constexpr (kToRows) {
@@ -662,14 +649,14 @@ unsigned checked_grid(Fp8Blocks blocks, const Fp8QuantizeArgs& a, bool to_rows,
 // shared memory): as many CTAs as fit on the SMs at once (sm_count(): the device's, or an
 // SmLimit's), or one per tile when there are fewer. Static and dynamic shared memory can
 // pass 48 KB, so the kernel is opted in on every call (the attribute is per device).
-template <auto kKernel, int kDynamicBytes = kStageBytes>
+template <auto kKernel>
 unsigned persistent_grid(unsigned tiles) {
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          kDynamicBytes));
+                                          kStageBytes));
   static const int per_sm = [] {
     int n = 0;
     MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads,
-                                                                     kDynamicBytes));
+                                                                     kStageBytes));
     return n > 0 ? n : 1;
   }();
   return static_cast<unsigned>(std::min<int64_t>(tiles, int64_t(per_sm) * sm_count()));
@@ -720,8 +707,8 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
         &quantize_fp8_kernel<decltype(tile_scales)::value ? Fp8Blocks::kColumnTiles128
                                                           : Fp8Blocks::kColumns128,
                              false, true>;
-    kernel<<<persistent_grid<kernel, 2 * kStageBytes>(grid), kThreads, 2 * kStageBytes,
-             stream>>>(a, row_tiles_of(a), a.cols / kTile, src);
+    kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
+        a, row_tiles_of(a), a.cols / kTile, src);
   };
   if (blocks == Fp8Blocks::kColumnTiles128) {
     launch(std::true_type{});
