@@ -306,39 +306,26 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
     }
     __syncthreads();
     constexpr bool kTileScale = kBlocks == Fp8Blocks::kColumnTiles128;
-    float r[8];
-    if constexpr (!kTileScale) {
-      // Every warp takes all 128 columns' multipliers, lane l those of columns 4l .. 4l + 3
-      // (words 2l and 2l + 1 of the partial maxima), and shuffles each thread its 8: no
-      // barrier between the scales and the quantizing. Warp h < 4 writes column 4l + h's
-      // scale.
-      uint2 m = *reinterpret_cast<const uint2*>(&sm.partial_max[0][2 * lane]);
+    if (threadIdx.x < kColGroups * 4) {  // two columns each: 2t and 2t + 1 (warps 0 and 1)
+      uint32_t m = sm.partial_max[0][threadIdx.x];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) {
-        const uint2 o = *reinterpret_cast<const uint2*>(&sm.partial_max[w][2 * lane]);
-        m.x = max_halves(m.x, o.x);
-        m.y = max_halves(m.y, o.y);
-      }
-      float rl[4];
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const uint32_t word = h < 2 ? m.x : m.y;
-        const Fp8BlockScale s = fp8_block_scale_bf16(h % 2 ? word >> 16 : word & 0xFFFFu);
-        rl[h] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
-        if (warp == h) scales[(col0 + 4 * lane + h) * a.s_0 + ti * a.s_1] = s.scale;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) r[j] = __shfl_sync(~0u, rl[j % 4], 2 * cg + j / 4);
-    } else {
-      if (threadIdx.x < kColGroups * 4) {  // two columns each: 2t and 2t + 1 (warps 0 and 1)
-        uint32_t m = sm.partial_max[0][threadIdx.x];
-#pragma unroll
-        for (int w = 1; w < kWarps; ++w) m = max_halves(m, sm.partial_max[w][threadIdx.x]);
+      for (int w = 1; w < kWarps; ++w) m = max_halves(m, sm.partial_max[w][threadIdx.x]);
+      if constexpr (kTileScale) {
         m = max_of_halves(m);
 #pragma unroll
         for (int off = 1; off < 32; off *= 2) m = max(m, __shfl_xor_sync(~0u, m, off));
         if (lane == 0) sm.tile_max[warp] = m;
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = 2 * threadIdx.x + h;
+          const Fp8BlockScale s = fp8_block_scale_bf16(h ? m >> 16 : m & 0xFFFFu);
+          sm.column_r[col] = s.nonfinite ? __uint_as_float(kFp8ScaleNanBits) : s.r;
+          scales[(col0 + col) * a.s_0 + ti * a.s_1] = s.scale;
+        }
       }
+    }
+    if constexpr (kTileScale) {
       __syncthreads();
       if (threadIdx.x < kColGroups * 4) {
         const Fp8BlockScale s = fp8_block_scale_bf16(max(sm.tile_max[0], sm.tile_max[1]));
@@ -349,13 +336,13 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
           scales[(col0 + col) * a.s_0 + ti * a.s_1] = s.scale;
         }
       }
-      __syncthreads();
-#pragma unroll
-      for (int j = 0; j < 8; ++j) r[j] = sm.column_r[8 * cg + j];
     }
+    __syncthreads();
+    float r[8];
     uint32_t nan_lo = 0, nan_hi = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+      r[j] = sm.column_r[8 * cg + j];
       const uint32_t byte = isnan(r[j]) ? 0xFFu << (8 * (j % 4)) : 0u;
       (j < 4 ? nan_lo : nan_hi) |= byte;
     }
