@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -75,13 +76,26 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+// stage_chunks' packers: a pair of values as the two 16-bit halves of a word.
+struct PackBf16 {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const {
+    return pack_bf16x2(lo, hi);
+  }
+};
+struct PackHalf {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
 
 // Writes kChunks 8-column chunks of the warpgroup's 64-row slab (value(q, half, j), as in
 // for_each_output) into the staging buffer's 128-byte-swizzled 64 x 64 boxes (chunk c of row
-// r at box c / 8, 16-byte slot (c % 8) ^ (r % 8)). One stmatrix stores two chunks of the
-// warp's 16 rows: a quarter of the shared-memory store instructions of 4-byte stores.
-template <int kChunks, class Value>
-__device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value) {
+// r at box c / 8, 16-byte slot (c % 8) ^ (r % 8)), as bf16 or as Pack packs them. One
+// stmatrix stores two chunks of the warp's 16 rows: a quarter of the shared-memory store
+// instructions of 4-byte stores.
+template <int kChunks, class Value, class Pack = PackBf16>
+__device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value, Pack pack = {}) {
   static_assert(kChunks % 2 == 0);
   const int thread = threadIdx.x % 128;
   const int lane = thread % 32;
@@ -91,10 +105,10 @@ __device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value) {
 #pragma unroll
   for (int q = 0; q < kChunks; q += 2) {
     // Matrices: (chunk q, rows 0-7), (q, rows 8-15), (q + 1, rows 0-7), (q + 1, rows 8-15).
-    const uint32_t r0 = pack_bf16x2(value(q, 0, 0), value(q, 0, 1));
-    const uint32_t r1 = pack_bf16x2(value(q, 1, 0), value(q, 1, 1));
-    const uint32_t r2 = pack_bf16x2(value(q + 1, 0, 0), value(q + 1, 0, 1));
-    const uint32_t r3 = pack_bf16x2(value(q + 1, 1, 0), value(q + 1, 1, 1));
+    const uint32_t r0 = pack(value(q, 0, 0), value(q, 0, 1));
+    const uint32_t r1 = pack(value(q, 1, 0), value(q, 1, 1));
+    const uint32_t r2 = pack(value(q + 1, 0, 0), value(q + 1, 0, 1));
+    const uint32_t r3 = pack(value(q + 1, 1, 0), value(q + 1, 1, 1));
     const int c = q + matrix / 2;
     stmatrix_x4(row_base + (c / 8) * kStoreBoxBytes + (((c % 8) ^ j) * 16), r0, r1, r2, r3);
   }

@@ -46,6 +46,19 @@ __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[
           __floats2bfloat162_rn(a[0], a[1])};
 }
 
+// The SwiGLU backward epilogues' pointers and sizes.
+struct SwiGLUBackwardOperands {
+  const __nv_bfloat16* h;      // [sorted rows, 2I]
+  __nv_bfloat16* dh;           // [rows, 2I]
+  __nv_bfloat16* a_out;        // optional [rows, I]
+  const float* slot_weights;   // router weights p, by slot
+  const int32_t* row_slot;     // [sorted rows] slot of each row
+  float* dp_partial;           // [sorted rows, dp_columns]
+  int32_t dp_columns;          // N-tiles: I / kBlockN
+  int32_t half_n;              // I
+  int32_t padded;              // dh and a_out are in the padded layout
+};
+
 template <int kBlockN_>
 class SwiGLUBackwardEpilogue {
  public:
@@ -57,17 +70,7 @@ class SwiGLUBackwardEpilogue {
   // 2026-12-04). The bf16 dgrad gathers its A rows, so it walks the round-robin order anyway.
   static constexpr bool kRoundRobinTilesOnly = true;
 
-  struct Operands {
-    const __nv_bfloat16* h;      // [sorted rows, 2I]
-    __nv_bfloat16* dh;           // [rows, 2I]
-    __nv_bfloat16* a_out;        // optional [rows, I]
-    const float* slot_weights;   // router weights p, by slot
-    const int32_t* row_slot;     // [sorted rows] slot of each row
-    float* dp_partial;           // [sorted rows, dp_columns]
-    int32_t dp_columns;          // N-tiles: I / kBlockN
-    int32_t half_n;              // I
-    int32_t padded;              // dh and a_out are in the padded layout
-  };
+  using Operands = SwiGLUBackwardOperands;
   struct Params {
     CUtensorMap map_dh;     // dh in 64 x 64 boxes
     CUtensorMap map_a_out;  // a_out in 64 x 64 boxes (when a_out is set)

@@ -7,6 +7,10 @@
 //     ALoad, BLoad (operand_tma.cuh, operand_gathered.cuh): how the producer fills a stage
 //     Epilogue  (epilogue_*.cuh): what the accumulators become
 //
+// An epilogue with kEpilogueWarps runs in warps 1.. of the producer warpgroup
+// (Epilogue::run_warps), beside a producer of one thread, and takes the register split
+// (Epilogue::Registers); the consumers then only hand it their accumulators.
+//
 // Warp-specialized and persistent: warpgroup 0 is the producer (producer.cuh), warpgroups 1
 // and 2 each own 64 rows of the 128-row tile, run the mainloop into fp32 registers and then
 // the epilogue. Producer and consumers meet in a ring of shared-memory stages (full / empty
@@ -28,6 +32,25 @@
 
 namespace megamoe::sm90 {
 
+// Whether epilogue E runs in warps of its own (E::kEpilogueWarps of them).
+template <class E>
+constexpr int epilogue_warps() {
+  if constexpr (requires { E::kEpilogueWarps; }) {
+    return E::kEpilogueWarps;
+  } else {
+    return 0;
+  }
+}
+// The register split: the epilogue's when it has warps of its own, else the mainloop's.
+template <class Mainloop, class Epilogue, bool = (epilogue_warps<Epilogue>() > 0)>
+struct RegistersOf {
+  using type = typename Mainloop::Registers;
+};
+template <class Mainloop, class Epilogue>
+struct RegistersOf<Mainloop, Epilogue, true> {
+  using type = typename Epilogue::Registers;
+};
+
 template <Grouping kGrouping_, class Mainloop_, class ALoad_, class BLoad_, class Epilogue_>
 struct GroupedGemm {
   using Mainloop = Mainloop_;
@@ -47,6 +70,10 @@ struct GroupedGemm {
                                         !round_robin_tiles_only<Epilogue>() &&
                                         !(kGrouping == Grouping::kK && Mainloop::kScaled);
 
+  static constexpr int kEpilogueWarps = epilogue_warps<Epilogue>();
+  static_assert(kEpilogueWarps == 0 || (Producer::kThreads == 1 && kEpilogueWarps <= 3),
+                "epilogue warps share the producer warpgroup with a one-thread producer");
+  using Registers = typename RegistersOf<Mainloop, Epilogue>::type;
   static_assert(Epilogue::kBlockN == Mainloop::kBlockN);
   static_assert(Epilogue::kBColumns == BLoad::kColumns, "the epilogue needs another B tile");
   // M-grouped A is [rows, K]. The weight gradient's A is [rows, m] (its tile M columns of
@@ -122,18 +149,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  const typename Gemm::Scheduler scheduler(p.scheduler);
   if (warpgroup == 0) {
     // The producer needs few registers: give them to the consumers' accumulators.
-    setmaxnreg_dec<Mainloop::Registers::kProducerRegisters>();
+    setmaxnreg_dec<Gemm::Registers::kProducerRegisters>();
+    // Built after setmaxnreg in each branch: a value live across it is spilled.
+    const typename Gemm::Scheduler scheduler(p.scheduler);
     if (Producer::kThreads == 128 || threadIdx.x == 0) {
       Producer::template run<Gemm::kPassesTiles>(p.a, p.b, p.mainloop, scheduler, smem.tiles,
                                                   smem.pipeline);
     }
+    if constexpr (Gemm::kEpilogueWarps > 0) {
+      if (threadIdx.x >= 32 && threadIdx.x < 32 * (1 + Gemm::kEpilogueWarps)) {
+        Epilogue::run_warps(p.epilogue, smem.epilogue, smem.epilogue_barriers, scheduler);
+      }
+    }
     return;
   }
 
-  setmaxnreg_inc<Mainloop::Registers::kConsumerRegisters>();
+  setmaxnreg_inc<Gemm::Registers::kConsumerRegisters>();
+  const typename Gemm::Scheduler scheduler(p.scheduler);
   const int consumer = warpgroup - 1;
   Epilogue epilogue(p.epilogue, smem.epilogue, smem.epilogue_barriers, consumer);
   const Mainloop mainloop(p.mainloop);

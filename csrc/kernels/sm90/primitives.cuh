@@ -78,6 +78,15 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
       "r"(smem_addr(src)), "r"(inner), "r"(outer)
       : "memory");
 }
+// Asks for the box at (inner, outer) of a 2-D tensor map to be brought into L2, without a
+// destination or a completion to wait for.
+__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int32_t inner,
+                                                int32_t outer) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(inner), "r"(outer)
+               : "memory");
+}
 // Copies `bytes` (a multiple of 16) from global memory into shared memory, both 16-byte
 // aligned; completion is counted in bytes on `bar`.
 __device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_t bytes,
@@ -137,6 +146,16 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
                : "memory");
+}
+
+// Closes this thread's current group of cp.async copies.
+__device__ __forceinline__ void cp_async_commit_group() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most kPending of this thread's committed cp.async groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 // 4 bytes global -> shared (an FP8 row's block scale).
