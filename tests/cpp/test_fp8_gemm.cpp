@@ -87,6 +87,7 @@ double error_beyond_rounding(const std::vector<double>& got, const std::vector<d
 struct Fp8A {
   std::vector<double> rows;  // [sorted rows, k]
   megamoe::sm90::MGroupedFp8A device;
+  std::vector<double> row_factor;  // [sorted rows] the power of two a row's scales carry
 };
 
 // Experts' weights B_e [n, k] with 128 x 128 block scales, stored either [E, n/128, k/128]
@@ -98,8 +99,10 @@ struct Fp8B {
 
 class Fp8GemmGpu : public megamoe_test::MGroupedGemmTest {
  protected:
+  // With `spread`, each stored row's scales also carry a random power of two 2^-spread ..
+  // 2^spread (row_factor).
   Fp8A make_fp8_a(const HostGroups& g, ALayout layout, int64_t k, int64_t tokens,
-                  std::mt19937_64& rng) {
+                  std::mt19937_64& rng, int spread = 0) {
     const int64_t kb = k / 128;
     const bool gathered = layout == ALayout::kGathered;
     const RowLayout rl = layout == ALayout::kPadded ? RowLayout::kPadded : RowLayout::kSorted;
@@ -107,13 +110,24 @@ class Fp8GemmGpu : public megamoe_test::MGroupedGemmTest {
     const int64_t ld = (stored_rows + 3) / 4 * 4 + 4;  // a scale_ld beyond the rows
     Quantized qa = random_quantized(stored_rows * k, kb * ld,
                                     [&](int64_t i) { return (i % k) / 128 * ld + i / k; }, rng, 1.0);
+    std::vector<double> factor(stored_rows, 1.0);
+    if (spread > 0) {
+      std::uniform_int_distribution<int> exponent(-spread, spread);
+      for (int64_t p = 0; p < stored_rows; ++p) {
+        factor[p] = std::ldexp(1.0, exponent(rng));
+        for (int64_t b = 0; b < kb; ++b) qa.scales[b * ld + p] *= static_cast<float>(factor[p]);
+        for (int64_t j = 0; j < k; ++j) qa.values[p * k + j] *= factor[p];
+      }
+    }
     Fp8A a;
     a.rows.assign(g.rows * k, 0.0);
+    a.row_factor.assign(g.rows, 1.0);
     std::vector<int32_t> index(g.rows);
     std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(tokens) - 1);
     for (int64_t r = 0; r < g.rows; ++r) {
       const int64_t src = gathered ? (index[r] = pick(rng)) : g.row_in(rl, r);
       for (int64_t j = 0; j < k; ++j) a.rows[r * k + j] = qa.values[src * k + j];
+      a.row_factor[r] = factor[src];
     }
     if (!gathered) {
       // Pad rows hold NaN (0x7F) with NaN scales: no valid output may read them.
@@ -368,51 +382,67 @@ TEST_P(Fp8SwiGLURowsGpu, EqualsTheQuantizedBf16Output) {
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLURowsGpu, ::testing::ValuesIn(fp8_tma_cases()),
                          fp8_case_name);
 
-class Fp8SwiGLUBackwardGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {};
+class Fp8SwiGLUBackwardGpu : public Fp8GemmGpu, public ::testing::WithParamInterface<Fp8Case> {
+ protected:
+  // dy's rows scaled by powers of two up to 2^+-spread (make_fp8_a); dh and dp are compared
+  // with each row divided by its power of two, so that every row counts alike.
+  void check(int spread) {
+    const Fp8Case& p = GetParam();
+    const uint64_t seed = megamoe_test::fresh_seed();
+    SEEDED(seed);
+    std::mt19937_64 rng(seed);
+    const HostGroups g(megamoe_test::awkward_counts());
+    const int64_t H = 384, I = 512, E = g.num_experts();
+    const Fp8A dy = make_fp8_a(g, p.a, H, 300, rng, spread);
+    const Fp8B w_t = make_fp8_b(E, I, H, p.transposed_scales, rng);  // W_down^T [E, I, H]
+    const std::vector<uint16_t> h = megamoe_test::random_bf16(g.rows * 2 * I, rng, 1.5);
+    const std::vector<double> hv = megamoe_test::bf16_values(h);
+    const megamoe_test::SwiGLUSlots slots = megamoe_test::random_swiglu_slots(g.rows, rng);
 
-TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) {
-  const Fp8Case& p = GetParam();
-  const uint64_t seed = megamoe_test::fresh_seed();
-  SEEDED(seed);
-  std::mt19937_64 rng(seed);
-  const HostGroups g(megamoe_test::awkward_counts());
-  const int64_t H = 384, I = 256, E = g.num_experts();
-  const Fp8A dy = make_fp8_a(g, p.a, H, 300, rng);
-  const Fp8B w_t = make_fp8_b(E, I, H, p.transposed_scales, rng);  // W_down^T [E, I, H]
-  const std::vector<uint16_t> h = megamoe_test::random_bf16(g.rows * 2 * I, rng, 1.5);
-  const std::vector<double> hv = megamoe_test::bf16_values(h);
-  const megamoe_test::SwiGLUSlots slots = megamoe_test::random_swiglu_slots(g.rows, rng);
+    const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
+    // Two 256-wide N-tiles, or with a gathered A four 128-wide ones: a dp partial each.
+    const bool gathered = p.a == ALayout::kGathered;
+    const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I, gathered);
+    const megamoe::sm90::SwiGLUGradArgs grads =
+        swiglu_grads(h, slots, g.rows, dp_cols, poisoned_bf16(args.c.rows * I));
+    float* dp = grads.dp_partial;
+    megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, stream_);
+    CUDA_OK(cudaGetLastError());
 
-  const auto args = fp8_args(g, dy, w_t, H, I, 2 * I, p.c);
-  // Two 256-wide N-tiles, or with a gathered A four 128-wide ones: a dp partial each.
-  const bool gathered = p.a == ALayout::kGathered;
-  const int64_t dp_cols = megamoe::sm90::fp8_swiglu_backward_dp_columns(I, gathered);
-  const megamoe::sm90::SwiGLUGradArgs grads =
-      swiglu_grads(h, slots, g.rows, dp_cols, poisoned_bf16(args.c.rows * I));
-  float* dp = grads.dp_partial;
-  megamoe::sm90::m_grouped_fp8_gemm_nt_swiglu_backward(args, grads, stream_);
-  CUDA_OK(cudaGetLastError());
-
-  const std::vector<double> z = megamoe_test::grouped_product(g, dy.rows, w_t.values, H, I, false);
-  const megamoe_test::SwiGLUBackwardReference ref =
-      megamoe_test::swiglu_backward_reference(z, hv, slots, g.rows, I, I / dp_cols);
-  const std::vector<double>&ref_dh = ref.dh, &ref_a = ref.a, &ref_dp = ref.dp;
-  const std::vector<uint16_t> dh = download_bf16(args.c.data, args.c.rows * 2 * I);
-  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I), ref_dh, "dh"),
-            kFp8GemmBound);
-  const std::vector<float> dp_got = download(dp, g.rows * dp_cols);
-  const double dp_err =
-      megamoe_test::relative_error(std::vector<double>(dp_got.begin(), dp_got.end()), ref_dp);
-  std::printf("dp partials (fp32): error %.3e\n", dp_err);
-  EXPECT_LT(dp_err, kFp8GemmBound);
-  const std::vector<uint16_t> a = download_bf16(grads.a_out, args.c.rows * I);
-  EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(a, g, p.c, I), ref_a, "a"),
-            kFp8GemmBound);
-  if (p.c == RowLayout::kPadded) {
-    EXPECT_EQ(megamoe_test::bad_pad_elements(dh, g, 2 * I, megamoe_test::is_zero), 0) << "dh";
-    EXPECT_EQ(megamoe_test::bad_pad_elements(a, g, I, megamoe_test::is_zero), 0) << "a";
+    const std::vector<double> z = megamoe_test::grouped_product(g, dy.rows, w_t.values, H, I, false);
+    megamoe_test::SwiGLUBackwardReference ref =
+        megamoe_test::swiglu_backward_reference(z, hv, slots, g.rows, I, I / dp_cols);
+    const std::vector<uint16_t> dh = download_bf16(args.c.data, args.c.rows * 2 * I);
+    std::vector<double> dh_rows = megamoe_test::sorted_rows_of(dh, g, p.c, 2 * I);
+    const std::vector<float> dp_got = download(dp, g.rows * dp_cols);
+    std::vector<double> dp_rows(dp_got.begin(), dp_got.end());
+    const auto per_row = [&](std::vector<double>& v, int64_t cols) {
+      for (int64_t r = 0; r < g.rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) v[r * cols + c] /= dy.row_factor[r];
+      }
+    };
+    per_row(dh_rows, 2 * I);
+    per_row(ref.dh, 2 * I);
+    per_row(dp_rows, dp_cols);
+    per_row(ref.dp, dp_cols);
+    EXPECT_LT(error_beyond_rounding(dh_rows, ref.dh, "dh"), kFp8GemmBound);
+    const double dp_err = megamoe_test::relative_error(dp_rows, ref.dp);
+    std::printf("dp partials (fp32): error %.3e\n", dp_err);
+    EXPECT_LT(dp_err, kFp8GemmBound);
+    const std::vector<uint16_t> a = download_bf16(grads.a_out, args.c.rows * I);
+    EXPECT_LT(error_beyond_rounding(megamoe_test::sorted_rows_of(a, g, p.c, I), ref.a, "a"),
+              kFp8GemmBound);
+    if (p.c == RowLayout::kPadded) {
+      EXPECT_EQ(megamoe_test::bad_pad_elements(dh, g, 2 * I, megamoe_test::is_zero), 0) << "dh";
+      EXPECT_EQ(megamoe_test::bad_pad_elements(a, g, I, megamoe_test::is_zero), 0) << "a";
+    }
   }
-}
+};
+
+TEST_P(Fp8SwiGLUBackwardGpu, MatchesDequantizedProduct) { check(0); }
+// The wide tiles hand z to their epilogue warps in fp16, each row scaled by a power of two:
+// rows 2^+-100 apart must keep their precision (a scale per tile would flush the small ones).
+TEST_P(Fp8SwiGLUBackwardGpu, RowsOfEveryMagnitude) { check(100); }
 INSTANTIATE_TEST_SUITE_P(Variants, Fp8SwiGLUBackwardGpu, ::testing::ValuesIn(fp8_cases()),
                          fp8_case_name);
 

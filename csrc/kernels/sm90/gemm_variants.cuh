@@ -9,6 +9,7 @@
 #include "kernels/sm90/epilogue_peer_rows.cuh"
 #include "kernels/sm90/epilogue_store.cuh"
 #include "kernels/sm90/epilogue_swiglu_backward.cuh"
+#include "kernels/sm90/epilogue_swiglu_backward_warps.cuh"
 #include "kernels/sm90/epilogue_swiglu_saved_h.cuh"
 #include "kernels/sm90/epilogue_weight_grad.cuh"
 #include "kernels/sm90/grouped_gemm_kernel.cuh"
@@ -82,9 +83,12 @@ template <int kBlockN, bool kGathered, bool kFp8Rows = false>
 using MGroupedFp8GemmNtSwiGLU =
     MGroupedGemm<WeightScales<kBlockN, BColumns::kGateUpHalves>, kGathered,
                  SwiGLUSavedHEpilogue<kBlockN, SwiGLUOutput<kBlockN, kFp8Rows>>>;
+// The SwiGLU backward of the wide tiles runs in epilogue warps beside the MMAs.
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLUBackward =
-    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
+    MGroupedGemm<WeightScales<kBlockN>, kGathered,
+                 std::conditional_t<kBlockN == 256, SwiGLUBackwardWarpsEpilogue<256>,
+                                     SwiGLUBackwardEpilogue<kBlockN>>>;
 // kBScales: kRows, or kRowTiles for B quantized in 128 x 128 tiles (gemm_fp8.h).
 template <int kBlockN, BScales kBScales = BScales::kRows>
 using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<kBScales, BColumns::kContiguous, kBlockN>,
