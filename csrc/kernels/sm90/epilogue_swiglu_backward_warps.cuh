@@ -160,76 +160,83 @@ class SwiGLUBackwardWarpsEpilogue {
                          : 0.f;
       }
       // The warp's items: per slab its quads (warp, warp + 3, ..), per quad its four boxes.
-      // h does not depend on z, so the copies run ahead of it (the first ones before z is
-      // even there).
+      // h does not depend on z, so the copies run kRing - 1 items ahead of the math (the
+      // first ones before z is even there). The next copy's item is counted along, not
+      // divided out of an index.
       const int quads = (16 - warp + kEpilogueWarps - 1) / kEpilogueWarps;
-      const int items = 2 * quads * kBoxes;
       uint4(&ring)[kRing][2][32] = buffers.h[warp];
-      const auto tile_row_of = [&](int q) {  // q: the warp's quad number in the tile
-        return (q / quads) * 64 + (warp + kEpilogueWarps * (q % quads)) * 4 + lane / 8;
-      };
-      const auto fetch = [&](int i) {
-        if (i < items) {
-          const int tile_row = tile_row_of(i / kBoxes);
-          if (tile_row < t.rows) {
-            const __nv_bfloat16* h_gate =
-                o.h + (t.row0 + tile_row) * ld + col + (i % kBoxes) * kStoreBoxCols;
-            cp_async_16(&ring[i % kRing][0][lane], h_gate);
-            cp_async_16(&ring[i % kRing][1][lane], h_gate + o.half_n);
+      int f_slab = 0, f_quad = 0, f_box = 0, f_slot = 0;
+      const auto fetch = [&]() {
+        const int tile_row = f_slab * 64 + (warp + kEpilogueWarps * f_quad) * 4 + lane / 8;
+        if (f_slab < 2 && tile_row < t.rows) {
+          const __nv_bfloat16* h_gate =
+              o.h + (t.row0 + tile_row) * ld + col + f_box * kStoreBoxCols;
+          cp_async_16(&ring[f_slot][0][lane], h_gate);
+          cp_async_16(&ring[f_slot][1][lane], h_gate + o.half_n);
+        }
+        cp_async_commit_group();  // empty past the end: the waits count groups
+        f_slot = (f_slot + 1) % kRing;
+        if (++f_box == kBoxes) {
+          f_box = 0;
+          if (++f_quad == quads) {
+            f_quad = 0;
+            ++f_slab;
           }
         }
-        cp_async_commit_group();  // empty past the end: the wait below counts groups
       };
 #pragma unroll
-      for (int i = 0; i < kRing - 1; ++i) fetch(i);
-      float partial = 0.f;
+      for (int i = 0; i < kRing - 1; ++i) fetch();
+      int slot = 0;
 #pragma unroll 1
-      for (int i = 0; i < items; ++i) {
-        fetch(i + kRing - 1);
-        const int box = i % kBoxes, q = i / kBoxes;
-        const int slab = q / quads, slab_quad = q % quads;
-        const int r = (warp + kEpilogueWarps * slab_quad) * 4 + lane / 8;  // row of the slab
-        const int tile_row = slab * 64 + r;
-        const bool valid = tile_row < t.rows;
-        if (box == 0 && slab_quad == 0) mbarrier_wait(&barriers.z_full[slab], phase);
-        float weight = 0.f;  // the row's, from lane tile_row % 32 (m is the warp's alike)
-        switch (tile_row / 32) {
-          case 0: weight = __shfl_sync(0xffffffffu, weights[0], tile_row % 32); break;
-          case 1: weight = __shfl_sync(0xffffffffu, weights[1], tile_row % 32); break;
-          case 2: weight = __shfl_sync(0xffffffffu, weights[2], tile_row % 32); break;
-          default: weight = __shfl_sync(0xffffffffu, weights[3], tile_row % 32); break;
-        }
-        cp_async_wait_group<kRing - 1>();  // this lane's copies of item i have landed
-        const uint4 zq = *reinterpret_cast<const uint4*>(buffers.z[slab] + box * kStoreBoxBytes +
-                                                         r * 128 + ((chunk ^ (r % 8)) * 16));
-        const float unscale = valid ? buffers.row_unscale[slab][r] : 0.f;
-        const uint4 gq = valid ? ring[i % kRing][0][lane] : make_uint4(0, 0, 0, 0);
-        const uint4 uq = valid ? ring[i % kRing][1][lane] : make_uint4(0, 0, 0, 0);
-        const uint32_t z_words[4] = {zq.x, zq.y, zq.z, zq.w};
-        const uint32_t g_words[4] = {gq.x, gq.y, gq.z, gq.w};
-        const uint32_t u_words[4] = {uq.x, uq.y, uq.z, uq.w};
-        uint32_t dg[4], du[4], a[4];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float2 zf = __half22float2(*reinterpret_cast<const __half2*>(&z_words[w]));
-          const float z[2] = {valid ? zf.x * unscale : 0.f, valid ? zf.y * unscale : 0.f};
-          const SwiGLUGradPair out = swiglu_backward_pair(z, g_words[w], u_words[w], weight, partial);
-          dg[w] = *reinterpret_cast<const uint32_t*>(&out.dg);
-          du[w] = *reinterpret_cast<const uint32_t*>(&out.du);
-          a[w] = *reinterpret_cast<const uint32_t*>(&out.a);
-        }
-        // Pad rows (z may be anything there; h is zero) come out as zeros.
-        if (valid || o.padded) {
+      for (int slab = 0; slab < 2; ++slab) {
+        mbarrier_wait(&barriers.z_full[slab], phase);
+#pragma unroll 1
+        for (int slab_quad = 0; slab_quad < quads; ++slab_quad) {
+          const int quad = warp + kEpilogueWarps * slab_quad;
+          const int r = quad * 4 + lane / 8;  // the lane's row of the slab
+          const int tile_row = slab * 64 + r;
+          const bool valid = tile_row < t.rows;
+          // The row's router weight, from lane tile_row % 32 (the warp's rows share m).
+          const int m = slab * 2 + quad / 8;
+          const float weights_m = m == 0 ? weights[0] : m == 1 ? weights[1] : m == 2 ? weights[2] : weights[3];
+          const float weight = __shfl_sync(0xffffffffu, weights_m, tile_row % 32);
+          const float unscale = valid ? buffers.row_unscale[slab][r] : 0.f;
+          const uint8_t* z_row = buffers.z[slab] + r * 128 + ((chunk ^ (r % 8)) * 16);
+          // Pad rows (z may be anything there; h is zero) come out as zeros.
+          const bool store = valid || o.padded;
           const int64_t out_row = t.row(o.padded) + tile_row;
-          __nv_bfloat16* dg_out = o.dh + out_row * ld + col + box * kStoreBoxCols;
-          *reinterpret_cast<uint4*>(dg_out) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
-          *reinterpret_cast<uint4*>(dg_out + o.half_n) = make_uint4(du[0], du[1], du[2], du[3]);
-          if (o.a_out) {
-            *reinterpret_cast<uint4*>(o.a_out + out_row * o.half_n + col + box * kStoreBoxCols) =
-                make_uint4(a[0], a[1], a[2], a[3]);
+          __nv_bfloat16* dg_out = o.dh + out_row * ld + col;
+          __nv_bfloat16* a_out = o.a_out ? o.a_out + out_row * o.half_n + col : nullptr;
+          float partial = 0.f;
+#pragma unroll 1
+          for (int box = 0; box < kBoxes; ++box) {
+            fetch();
+            cp_async_wait_group<kRing - 1>();  // this lane's copies of the item have landed
+            const uint4 zq = *reinterpret_cast<const uint4*>(z_row + box * kStoreBoxBytes);
+            const uint4 gq = valid ? ring[slot][0][lane] : make_uint4(0, 0, 0, 0);
+            const uint4 uq = valid ? ring[slot][1][lane] : make_uint4(0, 0, 0, 0);
+            slot = (slot + 1) % kRing;
+            const uint32_t z_words[4] = {zq.x, zq.y, zq.z, zq.w};
+            const uint32_t g_words[4] = {gq.x, gq.y, gq.z, gq.w};
+            const uint32_t u_words[4] = {uq.x, uq.y, uq.z, uq.w};
+            uint32_t dg[4], du[4], a[4];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+              const float2 zf = __half22float2(*reinterpret_cast<const __half2*>(&z_words[w]));
+              const float z[2] = {valid ? zf.x * unscale : 0.f, valid ? zf.y * unscale : 0.f};
+              const SwiGLUGradPair out =
+                  swiglu_backward_pair(z, g_words[w], u_words[w], weight, partial);
+              dg[w] = *reinterpret_cast<const uint32_t*>(&out.dg);
+              du[w] = *reinterpret_cast<const uint32_t*>(&out.du);
+              a[w] = *reinterpret_cast<const uint32_t*>(&out.a);
+            }
+            if (store) {
+              const int at = box * kStoreBoxCols;
+              *reinterpret_cast<uint4*>(dg_out + at) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+              *reinterpret_cast<uint4*>(dg_out + o.half_n + at) = make_uint4(du[0], du[1], du[2], du[3]);
+              if (a_out) *reinterpret_cast<uint4*>(a_out + at) = make_uint4(a[0], a[1], a[2], a[3]);
+            }
           }
-        }
-        if (box == kBoxes - 1) {
           // The row's partial over its 8 lanes, in a fixed order.
           partial += __shfl_xor_sync(0xffffffffu, partial, 1);
           partial += __shfl_xor_sync(0xffffffffu, partial, 2);
@@ -237,12 +244,9 @@ class SwiGLUBackwardWarpsEpilogue {
           if (valid && chunk == 0) {
             o.dp_partial[(t.row0 + tile_row) * int64_t(o.dp_columns) + t.n_tile] = partial;
           }
-          partial = 0.f;
-          if (slab_quad == quads - 1) {
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&barriers.z_empty[slab]);  // after the warp's z reads
-          }
         }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&barriers.z_empty[slab]);  // after the warp's z reads
       }
       phase ^= 1;
     });
