@@ -10,7 +10,13 @@ namespace megamoe::sm90 {
 // Approximate division (MUFU.RCP and a multiply) instead of the IEEE division's
 // instruction sequence: these feed bf16 outputs, whose rounding is far coarser. For
 // g < -88, exp(-g) is inf and both give 0 (the sign of g aside).
-__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+// sigmoid's exp(-g) is ex2.approx.ftz of -g log2(e): __expf's guard for results below
+// 2^-126 (three instructions an element) cannot change 1 + exp(-g), so the bits are __expf's.
+__device__ __forceinline__ float sigmoid(float g) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  return __fdividef(1.0f, 1.0f + e);
+}
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 template <int kBlockN>
