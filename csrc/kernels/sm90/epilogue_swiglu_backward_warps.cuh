@@ -150,15 +150,6 @@ class SwiGLUBackwardWarpsEpilogue {
         }
       }
       const int col = t.n_tile * kBlockN + chunk * 8;
-      // The router weights of the tile's rows, lane l holding rows l + 32 m in weights[m].
-      float weights[4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int tile_row = lane + 32 * m;
-        weights[m] = tile_row < t.rows
-                         ? __ldg(&o.slot_weights[__ldg(&o.row_slot[t.row0 + tile_row])])
-                         : 0.f;
-      }
       // The warp's items: per slab its quads (warp, warp + 3, ..), per quad its four boxes.
       // h does not depend on z, so the copies run kRing - 1 items ahead of the math (the
       // first ones before z is even there). The next copy's item is counted along, not
@@ -186,6 +177,16 @@ class SwiGLUBackwardWarpsEpilogue {
       };
 #pragma unroll
       for (int i = 0; i < kRing - 1; ++i) fetch();
+      // The router weights of the tile's rows (after the first copies, which need none of
+      // them), lane l holding rows l + 32 m in weights[m].
+      float weights[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int tile_row = lane + 32 * m;
+        weights[m] = tile_row < t.rows
+                         ? __ldg(&o.slot_weights[__ldg(&o.row_slot[t.row0 + tile_row])])
+                         : 0.f;
+      }
       int slot = 0;
 #pragma unroll 1
       for (int slab = 0; slab < 2; ++slab) {
