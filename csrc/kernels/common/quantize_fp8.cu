@@ -86,9 +86,11 @@ __device__ __forceinline__ TilePos tile_pos32(uint32_t tile, uint32_t row_tiles,
 
 // Tile `tile` of a gathered column quantization over `used` row tiles: column stripe
 // tile / used, row tile tile % used (see quantize_fp8_kernel).
-__device__ __forceinline__ TilePos gathered_pos(int64_t tile, int64_t used) {
-  const int64_t ti = tile % used, tj = tile / used;
-  return {0, ti, tj, ti * kTile, tj * kTile};
+// In 32-bit arithmetic, as tile_pos32: every tile it is given is below the launch's tile
+// count, which checked_grid keeps below 2^31.
+__device__ __forceinline__ TilePos gathered_pos(uint32_t tile, uint32_t used) {
+  const uint32_t ti = tile % used, tj = tile / used;
+  return {0, ti, tj, int64_t(ti) * kTile, int64_t(tj) * kTile};
 }
 
 // This thread's 8 x 8 values of a tile of x; rows from a.rows on (padding) as zeros.
@@ -446,10 +448,11 @@ __global__ void __launch_bounds__(kThreads, 3)
     // Each thread's next-tile values wait in its own slots of `stage` (dynamic shared
     // memory, kStageBytes), written by its cp.async and read by it alone: no barrier.
     extern __shared__ __align__(128) uint4 stage[];
-    GatherRow g = gather_row(p, a.rows, tile % used), g1;
-    load_gathered_async(a, gathered_pos(tile, used), g, stage);
+    const auto row_tile = [&](int64_t t) { return uint32_t(t) % uint32_t(used); };
+    GatherRow g = gather_row(p, a.rows, row_tile(tile)), g1;
+    load_gathered_async(a, gathered_pos(uint32_t(tile), uint32_t(used)), g, stage);
     float w = slot_weight(p, g);
-    if (tile + stride < tiles) g1 = gather_row(p, a.rows, (tile + stride) % used);
+    if (tile + stride < tiles) g1 = gather_row(p, a.rows, row_tile(tile + stride));
     for (;;) {
       const int64_t next = tile + stride, after = next + stride;
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -458,13 +461,16 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int i = 0; i < kRowsPerThread; ++i) v[i] = stage[i * kThreads + threadIdx.x];
       const float w1 = next < tiles ? slot_weight(p, g1) : 0.0f;
       GatherRow g2;
-      if (after < tiles) g2 = gather_row(p, a.rows, after % used);
+      if (after < tiles) g2 = gather_row(p, a.rows, row_tile(after));
       scale_gathered(p, g, w, v);
       // The next tile's loads go out once v has been read (its slots are then free).
       const auto load_next = [&] {
-        if (next < tiles) load_gathered_async(a, gathered_pos(next, used), g1, stage);
+        if (next < tiles) {
+          load_gathered_async(a, gathered_pos(uint32_t(next), uint32_t(used)), g1, stage);
+        }
       };
-      quantize_tile<kBlocks, false>(a, gathered_pos(tile, used), v, {}, no_dests, sm, load_next);
+      quantize_tile<kBlocks, false>(a, gathered_pos(uint32_t(tile), uint32_t(used)), v, {},
+                                    no_dests, sm, load_next);
       if (next >= tiles) break;
       g = g1;
       w = w1;
