@@ -156,12 +156,18 @@ struct GatherRow {
 
 __device__ __forceinline__ GatherRow gather_row(const Fp8PaddedSource& p, int64_t rows,
                                                 int64_t ti) {
-  // The tile belongs to one expert: the last whose first tile is <= ti (the search of
-  // gather_rows_padded); ti is below tile_offsets[E].
-  int lo = 0, hi = static_cast<int>(p.num_experts) - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(&p.tile_offsets[mid]) <= ti) lo = mid; else hi = mid - 1;
+  // The tile belongs to one expert: the last whose first tile is <= ti (ti is below
+  // tile_offsets[E]). tile_offsets is nondecreasing from tile_offsets[0] = 0, so that expert
+  // is the number of e in [1, E) with tile_offsets[e] <= ti: counted 32 experts a ballot,
+  // whose loads are independent, where a binary search waits for one load per step. Every
+  // lane of the warp calls this (the ballot's full mask): the callers' tile tests are
+  // uniform over the block.
+  const int experts = static_cast<int>(p.num_experts), lane = threadIdx.x % 32;
+  int lo = 0;
+#pragma unroll 4
+  for (int base = 1; base < experts; base += 32) {
+    const int e = base + lane;
+    lo += __popc(__ballot_sync(~0u, e < experts && __ldg(&p.tile_offsets[e]) <= ti));
   }
   const int32_t first = __ldg(&p.expert_offsets[lo]);
   const int64_t count = __ldg(&p.expert_offsets[lo + 1]) - first;
