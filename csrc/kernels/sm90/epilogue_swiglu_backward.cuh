@@ -46,7 +46,11 @@ __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[
           __floats2bfloat162_rn(a[0], a[1])};
 }
 
-template <int kBlockN_>
+// kHAhead (256-wide tiles): a quarter's h for both of a thread's fragment rows is read into
+// registers before any of its math, so the next quarter's load runs under all of it instead
+// of half; 16 more registers, which the FP8 consumers have in their epilogue (their
+// mainloop's scratch is free there) and the bf16 ones at 224 do not.
+template <int kBlockN_, bool kHAhead = false>
 class SwiGLUBackwardEpilogue {
  public:
   static constexpr int kBlockN = kBlockN_;
@@ -211,6 +215,7 @@ class SwiGLUBackwardEpilogue {
   __device__ __forceinline__ void store_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
     constexpr int kQuarters = kBlockN / kStoreBoxCols;
     constexpr int kChunksPerBox = kStoreBoxCols / 8;
+    constexpr int kHalvesAtOnce = kHAhead ? 2 : 1;
     static_assert(4 * kStoreBoxBytes <= kStagingBytes);
     const int thread = threadIdx.x % 128;
     const bool leader = thread == 0;
@@ -233,59 +238,65 @@ class SwiGLUBackwardEpilogue {
     for (int quarter = 0; quarter < kQuarters; ++quarter) {
       mbarrier_wait(h_bar_, h_phase_);
       h_phase_ ^= 1;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // ldmatrix and stmatrix move four 8-column chunks of the half's 8 rows per
-        // instruction: lane l addresses row l % 8 of chunk i0 + l / 8, and each thread gets
-        // or gives the values of its fragment row (a quarter of the instructions of 4-byte
-        // loads and stores).
+      // ldmatrix and stmatrix move four 8-column chunks of a half's 8 rows per instruction:
+      // lane l addresses row l % 8 of chunk i0 + l / 8, and each thread gets or gives the
+      // values of its fragment row (a quarter of the instructions of 4-byte loads and stores).
+      const auto box_offset = [&](int half, int i0) {
         const int mrow = (thread / 32) * 16 + half * 8 + lane % 8;
-        const auto box_offset = [&](int i0) {
-          return mrow * 128 + (((i0 + lane / 8) ^ (lane % 8)) * 16);
-        };
-        // The row's h values of the quarter from the swizzled boxes (rows past the expert's
-        // end hold the next rows of h: read as zeros).
-        uint32_t g_bits[kChunksPerBox], u_bits[kChunksPerBox];
+        return mrow * 128 + (((i0 + lane / 8) ^ (lane % 8)) * 16);
+      };
 #pragma unroll
-        for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-          ldmatrix_x4(h_gate + box_offset(i0), g_bits[i0], g_bits[i0 + 1], g_bits[i0 + 2],
-                      g_bits[i0 + 3]);
-          ldmatrix_x4(h_up + box_offset(i0), u_bits[i0], u_bits[i0 + 1], u_bits[i0 + 2],
-                      u_bits[i0 + 3]);
-        }
+      for (int h0 = 0; h0 < 2; h0 += kHalvesAtOnce) {
+        // The h values of the fragment rows h0.. from the swizzled boxes (rows past the
+        // expert's end hold the next rows of h: read as zeros).
+        uint32_t g_bits[kHalvesAtOnce][kChunksPerBox], u_bits[kHalvesAtOnce][kChunksPerBox];
 #pragma unroll
-        for (int i = 0; i < kChunksPerBox; ++i) {
-          g_bits[i] = valid[half] ? g_bits[i] : 0u;
-          u_bits[i] = valid[half] ? u_bits[i] : 0u;
-        }
-        if (half == 0) {
-          if (leader) bulk_wait_group_read_all();  // the last quarter's stores have read staging
-          consumer_barrier_sync(consumer_);
-        } else {
-          // Every thread has this quarter's h in registers: request the next quarter.
-          consumer_barrier_sync(consumer_);
-          if (leader && quarter + 1 < kQuarters) load_h_quarter(t, quarter + 1);
-        }
+        for (int j = 0; j < kHalvesAtOnce; ++j) {
+          const int half = h0 + j;
 #pragma unroll
-        for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-          uint32_t dg[4], du[4], a[4];
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            const int q = quarter * kChunksPerBox + i0 + m;
-            // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
-            // h = 0, dg = du = a = 0.
-            const float z[2] = {valid[half] ? acc[Fragment::index(q, half, 0)] : 0.f,
-                                valid[half] ? acc[Fragment::index(q, half, 1)] : 0.f};
-            const SwiGLUGradPair out = swiglu_backward_pair(z, g_bits[i0 + m], u_bits[i0 + m],
-                                                            weight[half], partial[half]);
-            dg[m] = *reinterpret_cast<const uint32_t*>(&out.dg);
-            du[m] = *reinterpret_cast<const uint32_t*>(&out.du);
-            a[m] = *reinterpret_cast<const uint32_t*>(&out.a);
+          for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
+            ldmatrix_x4(h_gate + box_offset(half, i0), g_bits[j][i0], g_bits[j][i0 + 1],
+                        g_bits[j][i0 + 2], g_bits[j][i0 + 3]);
+            ldmatrix_x4(h_up + box_offset(half, i0), u_bits[j][i0], u_bits[j][i0 + 1],
+                        u_bits[j][i0 + 2], u_bits[j][i0 + 3]);
           }
-          uint8_t* at = staging + box_offset(i0);
-          stmatrix_x4(at, dg[0], dg[1], dg[2], dg[3]);
-          stmatrix_x4(at + kStoreBoxBytes, du[0], du[1], du[2], du[3]);
-          stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
+#pragma unroll
+          for (int i = 0; i < kChunksPerBox; ++i) {
+            g_bits[j][i] = valid[half] ? g_bits[j][i] : 0u;
+            u_bits[j][i] = valid[half] ? u_bits[j][i] : 0u;
+          }
+        }
+        // Before the first writes to staging: the last quarter's stores have read it.
+        if (h0 == 0 && leader) bulk_wait_group_read_all();
+        consumer_barrier_sync(consumer_);
+        // Once every thread has this quarter's h in registers: request the next quarter.
+        if (h0 + kHalvesAtOnce == 2 && leader && quarter + 1 < kQuarters) {
+          load_h_quarter(t, quarter + 1);
+        }
+#pragma unroll
+        for (int j = 0; j < kHalvesAtOnce; ++j) {
+          const int half = h0 + j;
+#pragma unroll
+          for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
+            uint32_t dg[4], du[4], a[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+              const int q = quarter * kChunksPerBox + i0 + m;
+              // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
+              // h = 0, dg = du = a = 0.
+              const float z[2] = {valid[half] ? acc[Fragment::index(q, half, 0)] : 0.f,
+                                  valid[half] ? acc[Fragment::index(q, half, 1)] : 0.f};
+              const SwiGLUGradPair out = swiglu_backward_pair(
+                  z, g_bits[j][i0 + m], u_bits[j][i0 + m], weight[half], partial[half]);
+              dg[m] = *reinterpret_cast<const uint32_t*>(&out.dg);
+              du[m] = *reinterpret_cast<const uint32_t*>(&out.du);
+              a[m] = *reinterpret_cast<const uint32_t*>(&out.a);
+            }
+            uint8_t* at = staging + box_offset(half, i0);
+            stmatrix_x4(at, dg[0], dg[1], dg[2], dg[3]);
+            stmatrix_x4(at + kStoreBoxBytes, du[0], du[1], du[2], du[3]);
+            stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
+          }
         }
       }
       fence_proxy_async_shared();  // the TMA engine reads what these stores wrote

@@ -84,7 +84,7 @@ using MGroupedFp8GemmNtSwiGLU =
                  SwiGLUSavedHEpilogue<kBlockN, SwiGLUOutput<kBlockN, kFp8Rows>>>;
 template <int kBlockN, bool kGathered>
 using MGroupedFp8GemmNtSwiGLUBackward =
-    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN>>;
+    MGroupedGemm<WeightScales<kBlockN>, kGathered, SwiGLUBackwardEpilogue<kBlockN, true>>;
 // kBScales: kRows, or kRowTiles for B quantized in 128 x 128 tiles (gemm_fp8.h).
 template <int kBlockN, BScales kBScales = BScales::kRows>
 using KGroupedFp8GemmTn = KGroupedGemm<MainloopFp8<kBScales, BColumns::kContiguous, kBlockN>,
