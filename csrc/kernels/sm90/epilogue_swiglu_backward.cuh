@@ -215,7 +215,7 @@ class SwiGLUBackwardEpilogue {
   __device__ __forceinline__ void store_staged(const Tile& t, const float (&acc)[kBlockN / 2]) {
     constexpr int kQuarters = kBlockN / kStoreBoxCols;
     constexpr int kChunksPerBox = kStoreBoxCols / 8;
-    constexpr int kHalvesAtOnce = 1;
+    constexpr int kHalvesAtOnce = kHAhead ? 2 : 1;
     static_assert(4 * kStoreBoxBytes <= kStagingBytes);
     const int thread = threadIdx.x % 128;
     const bool leader = thread == 0;
@@ -245,118 +245,57 @@ class SwiGLUBackwardEpilogue {
         const int mrow = (thread / 32) * 16 + half * 8 + lane % 8;
         return mrow * 128 + (((i0 + lane / 8) ^ (lane % 8)) * 16);
       };
-      // The SwiGLU backward of chunks i0 .. i0 + 3 of a fragment row: dg, du and a as bf16
-      // pairs (pad rows: z may be anything, their A rows were never copied; with z = 0 and
-      // h = 0, dg = du = a = 0).
-      const auto chunk_math = [&](int half, int i0, const uint32_t (&g_bits)[kChunksPerBox],
-                                  const uint32_t (&u_bits)[kChunksPerBox], uint32_t (&out)[3][4]) {
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const int q = quarter * kChunksPerBox + i0 + m;
-          const float z[2] = {valid[half] ? acc[Fragment::index(q, half, 0)] : 0.f,
-                              valid[half] ? acc[Fragment::index(q, half, 1)] : 0.f};
-          const SwiGLUGradPair pair = swiglu_backward_pair(z, g_bits[i0 + m], u_bits[i0 + m],
-                                                           weight[half], partial[half]);
-          out[0][m] = *reinterpret_cast<const uint32_t*>(&pair.dg);
-          out[1][m] = *reinterpret_cast<const uint32_t*>(&pair.du);
-          out[2][m] = *reinterpret_cast<const uint32_t*>(&pair.a);
-        }
-      };
-      const auto chunk_stage = [&](int half, int i0, const uint32_t (&out)[3][4]) {
-        uint8_t* at = staging + box_offset(half, i0);
+      for (int h0 = 0; h0 < 2; h0 += kHalvesAtOnce) {
+        // The h values of the fragment rows h0.. from the swizzled boxes (rows past the
+        // expert's end hold the next rows of h: read as zeros).
+        uint32_t g_bits[kHalvesAtOnce][kChunksPerBox], u_bits[kHalvesAtOnce][kChunksPerBox];
 #pragma unroll
-        for (int k = 0; k < 3; ++k) {
-          stmatrix_x4(at + k * kStoreBoxBytes, out[k][0], out[k][1], out[k][2], out[k][3]);
-        }
-      };
-      if constexpr (kHAhead) {
-        // Both fragment rows' h first; then the first row's math before waiting for the
-        // last quarter's stores to have read the staging boxes, so that their drain runs
-        // under it.
-        uint32_t g_bits[2][kChunksPerBox], u_bits[2][kChunksPerBox];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int j = 0; j < kHalvesAtOnce; ++j) {
+          const int half = h0 + j;
 #pragma unroll
           for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-            ldmatrix_x4(h_gate + box_offset(half, i0), g_bits[half][i0], g_bits[half][i0 + 1],
-                        g_bits[half][i0 + 2], g_bits[half][i0 + 3]);
-            ldmatrix_x4(h_up + box_offset(half, i0), u_bits[half][i0], u_bits[half][i0 + 1],
-                        u_bits[half][i0 + 2], u_bits[half][i0 + 3]);
+            ldmatrix_x4(h_gate + box_offset(half, i0), g_bits[j][i0], g_bits[j][i0 + 1],
+                        g_bits[j][i0 + 2], g_bits[j][i0 + 3]);
+            ldmatrix_x4(h_up + box_offset(half, i0), u_bits[j][i0], u_bits[j][i0 + 1],
+                        u_bits[j][i0 + 2], u_bits[j][i0 + 3]);
           }
 #pragma unroll
           for (int i = 0; i < kChunksPerBox; ++i) {
-            g_bits[half][i] = valid[half] ? g_bits[half][i] : 0u;
-            u_bits[half][i] = valid[half] ? u_bits[half][i] : 0u;
+            g_bits[j][i] = valid[half] ? g_bits[j][i] : 0u;
+            u_bits[j][i] = valid[half] ? u_bits[j][i] : 0u;
           }
         }
-        consumer_barrier_sync(consumer_);  // every thread has this quarter's h
-        if (leader && quarter + 1 < kQuarters) load_h_quarter(t, quarter + 1);
-        uint32_t first[kChunksPerBox / 4][3][4];
-#pragma unroll
-        for (int c = 0; c < kChunksPerBox / 4; ++c) chunk_math(0, 4 * c, g_bits[0], u_bits[0], first[c]);
-        if (leader) bulk_wait_group_read_all();  // the last quarter's stores have read staging
+        // Before the first writes to staging: the last quarter's stores have read it.
+        if (h0 == 0 && leader) bulk_wait_group_read_all();
         consumer_barrier_sync(consumer_);
-#pragma unroll
-        for (int c = 0; c < kChunksPerBox / 4; ++c) chunk_stage(0, 4 * c, first[c]);
-#pragma unroll
-        for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-          uint32_t out[3][4];
-          chunk_math(1, i0, g_bits[1], u_bits[1], out);
-          chunk_stage(1, i0, out);
+        // Once every thread has this quarter's h in registers: request the next quarter.
+        if (h0 + kHalvesAtOnce == 2 && leader && quarter + 1 < kQuarters) {
+          load_h_quarter(t, quarter + 1);
         }
-      } else {
-  #pragma unroll
-        for (int h0 = 0; h0 < 2; h0 += kHalvesAtOnce) {
-          // The h values of the fragment rows h0.. from the swizzled boxes (rows past the
-          // expert's end hold the next rows of h: read as zeros).
-          uint32_t g_bits[kHalvesAtOnce][kChunksPerBox], u_bits[kHalvesAtOnce][kChunksPerBox];
-  #pragma unroll
-          for (int j = 0; j < kHalvesAtOnce; ++j) {
-            const int half = h0 + j;
-  #pragma unroll
-            for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-              ldmatrix_x4(h_gate + box_offset(half, i0), g_bits[j][i0], g_bits[j][i0 + 1],
-                          g_bits[j][i0 + 2], g_bits[j][i0 + 3]);
-              ldmatrix_x4(h_up + box_offset(half, i0), u_bits[j][i0], u_bits[j][i0 + 1],
-                          u_bits[j][i0 + 2], u_bits[j][i0 + 3]);
+#pragma unroll
+        for (int j = 0; j < kHalvesAtOnce; ++j) {
+          const int half = h0 + j;
+#pragma unroll
+          for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
+            uint32_t dg[4], du[4], a[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+              const int q = quarter * kChunksPerBox + i0 + m;
+              // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
+              // h = 0, dg = du = a = 0.
+              const float z[2] = {valid[half] ? acc[Fragment::index(q, half, 0)] : 0.f,
+                                  valid[half] ? acc[Fragment::index(q, half, 1)] : 0.f};
+              const SwiGLUGradPair out = swiglu_backward_pair(
+                  z, g_bits[j][i0 + m], u_bits[j][i0 + m], weight[half], partial[half]);
+              dg[m] = *reinterpret_cast<const uint32_t*>(&out.dg);
+              du[m] = *reinterpret_cast<const uint32_t*>(&out.du);
+              a[m] = *reinterpret_cast<const uint32_t*>(&out.a);
             }
-  #pragma unroll
-            for (int i = 0; i < kChunksPerBox; ++i) {
-              g_bits[j][i] = valid[half] ? g_bits[j][i] : 0u;
-              u_bits[j][i] = valid[half] ? u_bits[j][i] : 0u;
-            }
-          }
-          // Before the first writes to staging: the last quarter's stores have read it.
-          if (h0 == 0 && leader) bulk_wait_group_read_all();
-          consumer_barrier_sync(consumer_);
-          // Once every thread has this quarter's h in registers: request the next quarter.
-          if (h0 + kHalvesAtOnce == 2 && leader && quarter + 1 < kQuarters) {
-            load_h_quarter(t, quarter + 1);
-          }
-  #pragma unroll
-          for (int j = 0; j < kHalvesAtOnce; ++j) {
-            const int half = h0 + j;
-  #pragma unroll
-            for (int i0 = 0; i0 < kChunksPerBox; i0 += 4) {
-              uint32_t dg[4], du[4], a[4];
-  #pragma unroll
-              for (int m = 0; m < 4; ++m) {
-                const int q = quarter * kChunksPerBox + i0 + m;
-                // Pad rows: z may be anything (their A rows were never copied); with z = 0 and
-                // h = 0, dg = du = a = 0.
-                const float z[2] = {valid[half] ? acc[Fragment::index(q, half, 0)] : 0.f,
-                                    valid[half] ? acc[Fragment::index(q, half, 1)] : 0.f};
-                const SwiGLUGradPair out = swiglu_backward_pair(
-                    z, g_bits[j][i0 + m], u_bits[j][i0 + m], weight[half], partial[half]);
-                dg[m] = *reinterpret_cast<const uint32_t*>(&out.dg);
-                du[m] = *reinterpret_cast<const uint32_t*>(&out.du);
-                a[m] = *reinterpret_cast<const uint32_t*>(&out.a);
-              }
-              uint8_t* at = staging + box_offset(half, i0);
-              stmatrix_x4(at, dg[0], dg[1], dg[2], dg[3]);
-              stmatrix_x4(at + kStoreBoxBytes, du[0], du[1], du[2], du[3]);
-              stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
-            }
+            uint8_t* at = staging + box_offset(half, i0);
+            stmatrix_x4(at, dg[0], dg[1], dg[2], dg[3]);
+            stmatrix_x4(at + kStoreBoxBytes, du[0], du[1], du[2], du[3]);
+            stmatrix_x4(at + 2 * kStoreBoxBytes, a[0], a[1], a[2], a[3]);
           }
         }
       }
