@@ -102,23 +102,25 @@ __device__ __forceinline__ void stage_chunks(uint8_t* staging, Value&& value) {
 
 // A full slab through the staging buffer and TMA stores: stage(staging) writes kBoxes
 // boxes of 64 rows x 128 bytes (kStoreBoxBytes apart, each 128-byte swizzled), box b going
-// to (col + b * kBoxCols, row..) of `map`. The stores drain while the warpgroup goes on to
-// the next tile's MMAs. Thread 0 of the warpgroup owns the bulk stores; the buffer is
-// reused only once its previous stores have read it.
+// to (col + b * kBoxCols, row..) of `map` (kWarpBoxRows-row boxes). Each warp writes only
+// its own 16 rows of every box and its first lane stores them, so a warp reuses its rows of
+// the buffer once its own previous stores have read them. The stores drain while the
+// warpgroup goes on to the next tile's MMAs.
 template <int kBoxes, int kBoxCols, class Stage>
 __device__ __forceinline__ void store_boxes_staged(const CUtensorMap& map, uint8_t* staging,
-                                                   int consumer, int col, int row,
-                                                   Stage&& stage) {
-  const bool leader = threadIdx.x % 128 == 0;
-  if (leader) bulk_wait_group_read_all();
-  consumer_barrier_sync(consumer);
+                                                   int, int col, int row, Stage&& stage) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+  if (lane == 0) bulk_wait_group_read_all();
+  __syncwarp();
   stage(staging);
   fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
-  consumer_barrier_sync(consumer);
-  if (leader) {
+  __syncwarp();
+  if (lane == 0) {
+    const int offset = warp * kWarpBoxRows * 128;
 #pragma unroll
     for (int box = 0; box < kBoxes; ++box) {
-      tma_store_2d(&map, staging + box * kStoreBoxBytes, col + box * kBoxCols, row);
+      tma_store_2d(&map, staging + box * kStoreBoxBytes + offset, col + box * kBoxCols,
+                   row + warp * kWarpBoxRows);
     }
     bulk_commit_group();
   }
@@ -136,7 +138,7 @@ __device__ __forceinline__ void store_slab_staged(const CUtensorMap& map, uint8_
 
 // The end of every epilogue that stores by TMA: shared memory must outlive the last stores.
 __device__ __forceinline__ void wait_for_tma_stores() {
-  if (threadIdx.x % 128 == 0) bulk_wait_group_all();
+  if (threadIdx.x % 32 == 0) bulk_wait_group_all();  // each warp's stores (store_boxes_staged)
 }
 
 // The frame of an output that writes each tile's 64-row slab per warpgroup (StoreEpilogue,

@@ -69,7 +69,7 @@ class Fp8RowsEpilogue
   using Base::kBlockN, Base::kOutCols;
 
   struct Params {
-    CUtensorMap map;  // q in 64-row x 128-byte boxes
+    CUtensorMap map;  // q in kWarpBoxRows-row x 128-byte boxes
     uint8_t* q;
     float* scales;
     int64_t ld;        // q's row length: the output columns
@@ -80,7 +80,7 @@ class Fp8RowsEpilogue
   // scales[j * scale_ld + r].
   static Params params(__nv_fp8_e4m3* q, float* scales, int64_t rows, int64_t ld,
                        int64_t scale_ld, bool padded) {
-    return {make_tensor_map<__nv_fp8_e4m3>(q, rows, ld, 64), reinterpret_cast<uint8_t*>(q),
+    return {make_tensor_map<__nv_fp8_e4m3>(q, rows, ld, kWarpBoxRows), reinterpret_cast<uint8_t*>(q),
             scales, ld, scale_ld, padded};
   }
 

@@ -34,14 +34,14 @@ class StoreEpilogue : public SlabOutput<StoreEpilogue<kBlockN_, Values>, kBlockN
   using Base::kBlockN, Base::kOutCols;
 
   struct Params {
-    CUtensorMap map;  // C in 64 x 64 boxes
+    CUtensorMap map;  // C in kWarpBoxRows x 64 boxes
     __nv_bfloat16* c;
     int64_t ld;
     int32_t padded;   // C's rows are in the padded layout
   };
   // C = [rows, ld] bf16.
   static Params params(__nv_bfloat16* c, int64_t rows, int64_t ld, bool padded) {
-    return {make_tensor_map(c, rows, ld, 64), c, ld, padded};
+    return {make_tensor_map(c, rows, ld, kWarpBoxRows), c, ld, padded};
   }
 
   __device__ __forceinline__ StoreEpilogue(const Params& p, typename Base::Buffers& buffers,

@@ -30,7 +30,7 @@ class SwiGLUSavedHEpilogue {
 
   struct Params {
     typename Out::Params out;
-    CUtensorMap map_h;     // h in 64 x 64 boxes (when h is set)
+    CUtensorMap map_h;     // h in kWarpBoxRows x 64 boxes (when h is set)
     __nv_bfloat16* h;      // optional [rows, 2I]
     int32_t half_n;        // I
     HRowShift shift;       // h's rows, where they are not C's
@@ -38,7 +38,7 @@ class SwiGLUSavedHEpilogue {
   // h: null, or [rows, 2 * half_n] bf16 with C's rows (or C's moved by shift).
   static Params params(const typename Out::Params& out, __nv_bfloat16* h, int64_t rows,
                        int64_t half_n, HRowShift shift = {}) {
-    return {out, h != nullptr ? make_tensor_map(h, rows, 2 * half_n, 64) : CUtensorMap{}, h,
+    return {out, h != nullptr ? make_tensor_map(h, rows, 2 * half_n, kWarpBoxRows) : CUtensorMap{}, h,
             static_cast<int32_t>(half_n), shift};
   }
 

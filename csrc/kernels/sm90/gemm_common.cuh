@@ -13,6 +13,10 @@ constexpr int kThreads = 384;  // warpgroup 0 produces, warpgroups 1 and 2 consu
 constexpr int kMaxSharedBytes = 227 * 1024;  // dynamic shared memory a block may have
 constexpr int kStoreBoxCols = 64;  // epilogue TMA boxes: 64 rows x 64 bf16 (128 B)
 constexpr int kStoreBoxBytes = 64 * kStoreBoxCols * 2;
+// A staged slab leaves by TMA in boxes of one consumer warp's 16 rows (2 KB of each 64-row
+// box, swizzled as there), each warp with its own bulk groups: the warps of a warpgroup do
+// not wait for each other to store.
+constexpr int kWarpBoxRows = 16;
 
 // Which index of an operand is contiguous in memory: K (A [rows, K], B_e [N, K]) or the M/N
 // one (B_e [K, N]; the weight gradient's A [rows, M] and B [rows, N], K being the rows).
