@@ -72,10 +72,15 @@ class SwiGLUBackwardEpilogue {
     int32_t half_n;              // I
     int32_t padded;              // dh and a_out are in the padded layout
   };
+  // kHAhead: each consumer warp moves its own 16 rows of a slab (kBoxRows x 64 boxes; a
+  // warp's rows are 2 KB of each 64-row box, swizzled as there), with its own h barrier and
+  // bulk groups, so the warps of a warpgroup never wait for each other in the epilogue.
+  static constexpr int kBoxRows = kHAhead ? 16 : 64;
+  static constexpr int kHWarps = kHAhead ? 4 : 1;  // h barriers per consumer warpgroup
   struct Params {
-    CUtensorMap map_dh;     // dh in 64 x 64 boxes
-    CUtensorMap map_a_out;  // a_out in 64 x 64 boxes (when a_out is set)
-    CUtensorMap map_h;      // h in 64 x 64 boxes (read by TMA in the staged path)
+    CUtensorMap map_dh;     // dh in kBoxRows x 64 boxes
+    CUtensorMap map_a_out;  // a_out in kBoxRows x 64 boxes (when a_out is set)
+    CUtensorMap map_h;      // h in kBoxRows x 64 boxes (read by TMA in the staged path)
     Operands o;
   };
   static Params params(const __nv_bfloat16* h, int64_t h_rows, __nv_bfloat16* dh,
@@ -83,9 +88,9 @@ class SwiGLUBackwardEpilogue {
                        const float* slot_weights, const int32_t* row_slot, float* dp_partial,
                        int64_t half_n) {
     Params p{};
-    p.map_dh = make_tensor_map(dh, out_rows, 2 * half_n, 64);
-    if (a_out != nullptr) p.map_a_out = make_tensor_map(a_out, out_rows, half_n, 64);
-    p.map_h = make_tensor_map(h, h_rows, 2 * half_n, 64);
+    p.map_dh = make_tensor_map(dh, out_rows, 2 * half_n, kBoxRows);
+    if (a_out != nullptr) p.map_a_out = make_tensor_map(a_out, out_rows, half_n, kBoxRows);
+    p.map_h = make_tensor_map(h, h_rows, 2 * half_n, kBoxRows);
     p.o = {h, dh, a_out, slot_weights, row_slot, dp_partial,
            static_cast<int32_t>(half_n / kBlockN), static_cast<int32_t>(half_n), padded};
     return p;
@@ -109,21 +114,25 @@ class SwiGLUBackwardEpilogue {
  public:
   using Buffers = std::conditional_t<kHByTma, StagingAndHUp, StagingOnly>;
   struct Barriers {
-    uint64_t h_full[2];  // kHByTma: a quarter of h has landed (per consumer warpgroup)
+    uint64_t h_full[2][kHWarps];  // kHByTma: a quarter of h has landed (per consumer / warp)
   };
   __device__ __forceinline__ static void init(Barriers& b) {
-    for (int w = 0; w < 2; ++w) mbarrier_init(&b.h_full[w], 1);
+    for (int w = 0; w < 2; ++w) {
+      for (int i = 0; i < kHWarps; ++i) mbarrier_init(&b.h_full[w][i], 1);
+    }
   }
 
   __device__ __forceinline__ SwiGLUBackwardEpilogue(const Params& p, Buffers& buffers,
                                                     Barriers& barriers, int consumer)
-      : p_(p), o_(p.o), buffers_(buffers), h_bar_(&barriers.h_full[consumer]), consumer_(consumer) {}
+      : p_(p), o_(p.o), buffers_(buffers),
+        h_bar_(&barriers.h_full[consumer][kHAhead ? threadIdx.x % 128 / 32 : 0]),
+        consumer_(consumer) {}
 
   // The staged path's first quarter of h, fetched under this tile's MMAs (the buffers were
   // released by the last tile's epilogue, whose final barrier every thread has passed).
   __device__ __forceinline__ void begin_tile(const Tile& t) {
     if constexpr (kHByTma) {
-      if (o_.padded && threadIdx.x % 128 == 0) load_h_quarter(t, 0);
+      if (o_.padded && threadIdx.x % (kHAhead ? 32 : 128) == 0) load_h_quarter(t, 0);
     }
   }
 
@@ -136,7 +145,13 @@ class SwiGLUBackwardEpilogue {
     }
     store_direct(t, acc);
   }
-  __device__ __forceinline__ void finish() { wait_for_tma_stores(); }
+  __device__ __forceinline__ void finish() {
+    if constexpr (kHAhead) {
+      if (threadIdx.x % 32 == 0) bulk_wait_group_all();  // each warp's leader, its own stores
+    } else {
+      wait_for_tma_stores();
+    }
+  }
 
  private:
   // Register stores, for any layout. The h values of a row are loaded kLoadBatch 8-column
@@ -198,12 +213,16 @@ class SwiGLUBackwardEpilogue {
 
   // Quarter `quarter` (64 columns) of the slab's h = [gate | up] by TMA: the gate box into
   // the staging buffer's last 64 x 64 box, the up box into h_up. One thread.
+  // kHAhead: the calling warp's 16 rows of them.
   __device__ __forceinline__ void load_h_quarter(const Tile& t, int quarter) {
+    const int part = kHAhead ? threadIdx.x % 128 / 32 : 0;
     const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
-    const int row = t.row0 + consumer_ * 64;
-    mbarrier_arrive_expect_tx(h_bar_, 2 * kStoreBoxBytes);
-    tma_load_2d(buffers_.staging[consumer_] + 3 * kStoreBoxBytes, &p_.map_h, h_bar_, col, row);
-    tma_load_2d(buffers_.h_up[consumer_], &p_.map_h, h_bar_, o_.half_n + col, row);
+    const int row = t.row0 + consumer_ * 64 + part * kBoxRows;
+    const int offset = part * kBoxRows * 128;
+    mbarrier_arrive_expect_tx(h_bar_, 2 * kBoxRows * 128);
+    tma_load_2d(buffers_.staging[consumer_] + 3 * kStoreBoxBytes + offset, &p_.map_h, h_bar_, col,
+                row);
+    tma_load_2d(buffers_.h_up[consumer_] + offset, &p_.map_h, h_bar_, o_.half_n + col, row);
   }
 
   // The padded layout with 256-wide tiles (every slab row is the expert's or a pad row): per
@@ -266,12 +285,21 @@ class SwiGLUBackwardEpilogue {
             u_bits[j][i] = valid[half] ? u_bits[j][i] : 0u;
           }
         }
-        // Before the first writes to staging: the last quarter's stores have read it.
-        if (h0 == 0 && leader) bulk_wait_group_read_all();
-        consumer_barrier_sync(consumer_);
-        // Once every thread has this quarter's h in registers: request the next quarter.
-        if (h0 + kHalvesAtOnce == 2 && leader && quarter + 1 < kQuarters) {
-          load_h_quarter(t, quarter + 1);
+        // Before the first writes to staging: the last quarter's stores have read it. Once
+        // every thread has this quarter's h in registers: request the next quarter.
+        if constexpr (kHAhead) {
+          __syncwarp();
+          if (lane == 0) {
+            if (quarter + 1 < kQuarters) load_h_quarter(t, quarter + 1);
+            bulk_wait_group_read_all();
+          }
+          __syncwarp();
+        } else {
+          if (h0 == 0 && leader) bulk_wait_group_read_all();
+          consumer_barrier_sync(consumer_);
+          if (h0 + kHalvesAtOnce == 2 && leader && quarter + 1 < kQuarters) {
+            load_h_quarter(t, quarter + 1);
+          }
         }
 #pragma unroll
         for (int j = 0; j < kHalvesAtOnce; ++j) {
@@ -300,13 +328,19 @@ class SwiGLUBackwardEpilogue {
         }
       }
       fence_proxy_async_shared();  // the TMA engine reads what these stores wrote
-      consumer_barrier_sync(consumer_);
-      if (leader) {
+      if constexpr (kHAhead) {
+        __syncwarp();
+      } else {
+        consumer_barrier_sync(consumer_);
+      }
+      if (kHAhead ? lane == 0 : leader) {
+        const int part = kHAhead ? thread / 32 : 0;
         const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
-        const int row = t.row(o_.padded) + slab;
-        tma_store_2d(&p_.map_dh, staging, col, row);
-        tma_store_2d(&p_.map_dh, staging + kStoreBoxBytes, o_.half_n + col, row);
-        if (o_.a_out != nullptr) tma_store_2d(&p_.map_a_out, staging + 2 * kStoreBoxBytes, col, row);
+        const int row = t.row(o_.padded) + slab + part * kBoxRows;
+        const uint8_t* rows = staging + part * kBoxRows * 128;
+        tma_store_2d(&p_.map_dh, rows, col, row);
+        tma_store_2d(&p_.map_dh, rows + kStoreBoxBytes, o_.half_n + col, row);
+        if (o_.a_out != nullptr) tma_store_2d(&p_.map_a_out, rows + 2 * kStoreBoxBytes, col, row);
         bulk_commit_group();
       }
     }
