@@ -49,7 +49,9 @@ __device__ __forceinline__ SwiGLUGradPair swiglu_backward_pair(const float (&z)[
 // kHAhead (256-wide tiles): a quarter's h for both of a thread's fragment rows is read into
 // registers before any of its math, so the next quarter's load runs under all of it instead
 // of half; 16 more registers, which the FP8 consumers have in their epilogue (their
-// mainloop's scratch is free there) and the bf16 ones at 224 do not.
+// mainloop's scratch is free there) and the bf16 ones at 224 do not. It also has each
+// consumer warp load h for, and store, only its own 16 rows of a slab, so the epilogue has
+// no warpgroup barrier and a warp never waits for its neighbours' math.
 template <int kBlockN_, bool kHAhead = false>
 class SwiGLUBackwardEpilogue {
  public:
