@@ -171,6 +171,10 @@ void launch_grouped_gemm(const typename Gemm::Params& params, int64_t max_tiles,
   if constexpr (Gemm::kPassesTiles) {
     p.scheduler.dynamic = dynamic_tile_counters(stream);  // null unless switched on
   }
+  if constexpr (Gemm::kGrouping == Grouping::kM) {
+    const int group = n_group_switch();
+    if (group > 0 && p.scheduler.n_tiles % group == 0) p.scheduler.n_group = group;
+  }
   const int sms = sm_count(/*tiles_handed_out=*/p.scheduler.dynamic != nullptr);
   const int grid = static_cast<int>(max_tiles < sms ? max_tiles : sms);
   auto* kernel = &grouped_gemm_kernel<Gemm>;

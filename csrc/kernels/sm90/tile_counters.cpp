@@ -1,5 +1,6 @@
 #include "kernels/sm90/tile_counters.h"
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -43,6 +44,14 @@ int32_t* dynamic_tile_counters(cudaStream_t stream) {
     it = pool.slot.emplace(stream, next).first;
   }
   return pool.pairs + 2 * it->second;
+}
+
+int n_group_switch() {
+  static const int group = [] {
+    const char* v = std::getenv("MEGAMOE_N_GROUP");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return group;
 }
 
 }  // namespace megamoe::sm90

@@ -17,4 +17,8 @@ namespace megamoe::sm90 {
 // grid then). The first call for a device allocates the pool: not under stream capture.
 int32_t* dynamic_tile_counters(cudaStream_t stream);
 
+// Probe: MEGAMOE_N_GROUP (an integer, read once; 0 when unset), the M-grouped GEMMs'
+// TileScheduler::Params::n_group.
+int n_group_switch();
+
 }  // namespace megamoe::sm90

@@ -36,6 +36,9 @@ class TileScheduler {
     // Null, or [2] zeros (the next tile to hand out, the blocks done), left zeros by the
     // launch: tiles handed out as the blocks' producers ask for them.
     int32_t* dynamic = nullptr;
+    // kM, probe: 0, or the N-tiles of a group (a divisor of n_tiles); tiles then run N-group
+    // by N-group, M-tile-major within a group (MEGAMOE_N_GROUP, read once).
+    int32_t n_group = 0;
   };
 
   static Params m_grouped(const int32_t* expert_offsets, const int32_t* tile_offsets,
@@ -115,8 +118,16 @@ class TileScheduler {
   __device__ __forceinline__ Tile locate(int tile) const {
     Tile t;
     if constexpr (kGrouping == Grouping::kM) {
-      const int m_tile = tile / p_.n_tiles;
-      t.n_tile = tile % p_.n_tiles;
+      int m_tile;
+      if (p_.n_group > 0) {
+        const int span = (num_tiles_ / p_.n_tiles) * p_.n_group;
+        const int group = tile / span, rest = tile % span;
+        m_tile = rest / p_.n_group;
+        t.n_tile = group * p_.n_group + rest % p_.n_group;
+      } else {
+        m_tile = tile / p_.n_tiles;
+        t.n_tile = tile % p_.n_tiles;
+      }
       // Last expert whose first M-tile is <= m_tile (experts with no tiles are skipped).
       int lo = 0, hi = p_.num_experts - 1;
       while (lo < hi) {
