@@ -79,6 +79,10 @@ class SwiGLUBackwardEpilogue {
   // bulk groups, so the warps of a warpgroup never wait for each other in the epilogue.
   static constexpr int kBoxRows = kHAhead ? 16 : 64;
   static constexpr int kHWarps = kHAhead ? 4 : 1;  // h barriers per consumer warpgroup
+  // The kBoxRows-row part of a slab this thread's warp moves (its warp's 16 rows, or all 64)
+  // and that part's byte offset in a 64-row box.
+  __device__ __forceinline__ static int part() { return kHAhead ? threadIdx.x % 128 / 32 : 0; }
+  __device__ __forceinline__ static int part_offset() { return part() * kBoxRows * 128; }
   struct Params {
     CUtensorMap map_dh;     // dh in kBoxRows x 64 boxes
     CUtensorMap map_a_out;  // a_out in kBoxRows x 64 boxes (when a_out is set)
@@ -127,7 +131,7 @@ class SwiGLUBackwardEpilogue {
   __device__ __forceinline__ SwiGLUBackwardEpilogue(const Params& p, Buffers& buffers,
                                                     Barriers& barriers, int consumer)
       : p_(p), o_(p.o), buffers_(buffers),
-        h_bar_(&barriers.h_full[consumer][kHAhead ? threadIdx.x % 128 / 32 : 0]),
+        h_bar_(&barriers.h_full[consumer][part()]),
         consumer_(consumer) {}
 
   // The staged path's first quarter of h, fetched under this tile's MMAs (the buffers were
@@ -217,10 +221,9 @@ class SwiGLUBackwardEpilogue {
   // the staging buffer's last 64 x 64 box, the up box into h_up. One thread.
   // kHAhead: the calling warp's 16 rows of them.
   __device__ __forceinline__ void load_h_quarter(const Tile& t, int quarter) {
-    const int part = kHAhead ? threadIdx.x % 128 / 32 : 0;
     const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
-    const int row = t.row0 + consumer_ * 64 + part * kBoxRows;
-    const int offset = part * kBoxRows * 128;
+    const int row = t.row0 + consumer_ * 64 + part() * kBoxRows;
+    const int offset = part_offset();
     mbarrier_arrive_expect_tx(h_bar_, 2 * kBoxRows * 128);
     tma_load_2d(buffers_.staging[consumer_] + 3 * kStoreBoxBytes + offset, &p_.map_h, h_bar_, col,
                 row);
@@ -336,10 +339,9 @@ class SwiGLUBackwardEpilogue {
         consumer_barrier_sync(consumer_);
       }
       if (kHAhead ? lane == 0 : leader) {
-        const int part = kHAhead ? thread / 32 : 0;
         const int col = t.n_tile * kBlockN + quarter * kStoreBoxCols;
-        const int row = t.row(o_.padded) + slab + part * kBoxRows;
-        const uint8_t* rows = staging + part * kBoxRows * 128;
+        const int row = t.row(o_.padded) + slab + part() * kBoxRows;
+        const uint8_t* rows = staging + part_offset();
         tma_store_2d(&p_.map_dh, rows, col, row);
         tma_store_2d(&p_.map_dh, rows + kStoreBoxBytes, o_.half_n + col, row);
         if (o_.a_out != nullptr) tma_store_2d(&p_.map_a_out, rows + 2 * kStoreBoxBytes, col, row);
