@@ -1,0 +1,205 @@
+// What an overlapped combine could buy the FP8 forward, before building one: the 30b
+// preset's FP8 L2 (131072 expert-sorted rows, 128 experts of 1024 rows, K = 768, N = 2048,
+// bf16 out) on the SMs less s, beside a stand-in combine on s SMs that reduces a fraction of
+// the columns of every token (k = 8 random slots, fp32 weights, the combine kernel's
+// arithmetic and access pattern), launched on another stream just before it. An overlapped
+// combine would reduce column block j of every token while L2 computes the later blocks; the
+// last block's share stays after L2. Medians of `iters` runs, in one process:
+//   - L2 alone on every SM and on sms - s; the real combine (combine_rows) on every SM;
+//   - the stand-in on s SMs alone (1024 threads, one block an SM) for `frac` of the columns,
+//     and both side by side (the makespan: from before the first launch to both ends).
+// The forward's part that an overlap replaces is L2 + combine; with it, the makespan + the
+// last block's combine (1 - frac of combine_rows) + what L2's N-grouped order costs (the
+// probe of branch l2-n-grouped-order; PERFLOG, third session of 2026-12-06). Each stream's
+// own end is printed too, to tell which of the two the makespan waited for. Results: PERFLOG,
+// fourth session of 2026-12-06.
+//
+// Build (after the library's build, against its test archive):
+//   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc -Iinclude \
+//     tools/l2_beside_combine.cu build/tests/cpp/libmegamoe_internal_for_tests.a -lcuda \
+//     -o build/l2_beside_combine
+// Run: build/l2_beside_combine [frac=0.75] [iters=20] [s ...=8 16 24 32]
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/common/combine_rows.h"
+#include "kernels/common/sm_count.h"
+#include "kernels/sm90/gemm_fp8.h"
+#include "check_cuda.h"
+
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kSlots = 8;
+
+// Columns [v0, v1) (16-byte vectors) of every token: thread per (token, vector), the k
+// slots' loads in flight together, fma in slot order from +0 as combine_rows does.
+__global__ void __launch_bounds__(kThreads)
+    stand_in_combine(const uint4* __restrict__ o, int64_t vecs, int64_t v0, int64_t v1,
+                     const int32_t* __restrict__ slot_row, const float* __restrict__ w,
+                     int64_t T, uint4* __restrict__ y) {
+  extern __shared__ char hold[];  // only to keep the block alone on its SM
+  const int64_t width = v1 - v0;
+  const int64_t items = T * width;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < items;
+       i += int64_t(gridDim.x) * kThreads) {
+    const int64_t t = i / width, v = v0 + i % width;
+    uint4 val[kSlots];
+    float p[kSlots];
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const int32_t r = __ldg(slot_row + t * kSlots + j);
+      p[j] = __ldg(w + t * kSlots + j);
+      val[j] = __ldg(o + r * vecs + v);
+    }
+    float acc[8] = {};
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&val[j]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(h[q]);
+        acc[2 * q] = fmaf(p[j], f.x, acc[2 * q]);
+        acc[2 * q + 1] = fmaf(p[j], f.y, acc[2 * q + 1]);
+      }
+    }
+    uint4 out;
+    __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    y[t * vecs + v] = out;
+  }
+  if (threadIdx.x == 0 && T < 0) hold[0] = 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const double frac = argc > 1 ? std::atof(argv[1]) : 0.75;
+  const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
+  std::vector<int> side;
+  for (int i = 3; i < argc; ++i) side.push_back(std::atoi(argv[i]));
+  if (side.empty()) side = {8, 16, 24, 32};
+
+  const int E = 128, per = 1024, K = 768, N = 2048, T = 16384;
+  const int64_t rows = int64_t(E) * per;
+  std::vector<int32_t> off(E + 1), tiles(E + 1);
+  for (int e = 0; e <= E; ++e) { off[e] = e * per; tiles[e] = e * (per / 128); }
+  // Random routing: each token's k slots are k distinct sorted rows, every row used once.
+  std::vector<int32_t> slots(rows);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::mt19937 rng(1);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  std::vector<float> weights(rows);
+  std::uniform_real_distribution<float> u(0.0f, 0.25f);
+  for (auto& x : weights) x = u(rng);
+
+  int32_t *d_off, *d_tiles, *d_slots;
+  float *d_w, *a_scales, *b_scales;
+  __nv_fp8_e4m3 *a, *b;
+  __nv_bfloat16 *c, *y;
+  const int64_t a_scale_count = (K / 128) * rows;
+  const int64_t b_scale_count = int64_t(E) * (N / 128) * (K / 128);
+  CK(cudaMalloc(&d_off, 4 * (E + 1))); CK(cudaMalloc(&d_tiles, 4 * (E + 1)));
+  CK(cudaMalloc(&d_slots, 4 * rows)); CK(cudaMalloc(&d_w, 4 * rows));
+  CK(cudaMemcpy(d_off, off.data(), 4 * (E + 1), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_tiles, tiles.data(), 4 * (E + 1), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_slots, slots.data(), 4 * rows, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_w, weights.data(), 4 * rows, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&a, rows * K)); CK(cudaMalloc(&b, int64_t(E) * N * K));
+  CK(cudaMalloc(&a_scales, 4 * a_scale_count)); CK(cudaMalloc(&b_scales, 4 * b_scale_count));
+  CK(cudaMalloc(&c, rows * N * 2)); CK(cudaMalloc(&y, int64_t(T) * N * 2));
+  CK(cudaMemset(a, 0x30, rows * K)); CK(cudaMemset(b, 0x30, int64_t(E) * N * K));  // 0.5
+  {
+    std::vector<float> ones(std::max(a_scale_count, b_scale_count), 1.0f);
+    CK(cudaMemcpy(a_scales, ones.data(), 4 * a_scale_count, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(b_scales, ones.data(), 4 * b_scale_count, cudaMemcpyHostToDevice));
+  }
+  megamoe::sm90::MGroupedFp8GemmArgs g;
+  g.groups = {E, d_off, d_tiles, rows};
+  g.a.data = a; g.a.rows = rows; g.a.layout = megamoe::sm90::RowLayout::kSorted;
+  g.a.scales = a_scales; g.a.scale_ld = rows;
+  g.b.data = b; g.b.scales = b_scales;
+  g.b.s_expert = (N / 128) * (K / 128); g.b.s_n = K / 128; g.b.s_k = 1;
+  g.k = K; g.n = N;
+  g.c = {c, N, rows, megamoe::sm90::RowLayout::kSorted};
+
+  cudaStream_t s0, s1;
+  CK(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  constexpr int kHoldBytes = 200 * 1024;
+  CK(cudaFuncSetAttribute(stand_in_combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          kHoldBytes));
+  cudaEvent_t start, end0, end1, l2_end;
+  CK(cudaEventCreate(&start)); CK(cudaEventCreate(&end0)); CK(cudaEventCreate(&end1));
+  CK(cudaEventCreate(&l2_end));
+  const int sms = megamoe::sm_count();
+  const int64_t vecs = N / 8;
+  const int64_t v1 = std::max<int64_t>(1, std::min<int64_t>(vecs, int64_t(frac * vecs + 0.5)));
+
+  // gemm_sms 0: no L2; combine_sms 0: no stand-in; real: combine_rows on every SM instead.
+  // Also the medians of each stream's own end (L2's, the combine's), from the same start.
+  double l2_done = 0, combine_done = 0;
+  const auto run = [&](int gemm_sms, int combine_sms, bool real) {
+    std::vector<float> us, l2_us, c_us;
+    for (int i = 0; i < iters + 3; ++i) {
+      CK(cudaEventRecord(start, s0));
+      CK(cudaStreamWaitEvent(s1, start, 0));
+      if (combine_sms > 0) {
+        stand_in_combine<<<combine_sms, kThreads, kHoldBytes, s1>>>(
+            reinterpret_cast<const uint4*>(c), vecs, 0, v1, d_slots, d_w, T,
+            reinterpret_cast<uint4*>(y));
+        CK(cudaGetLastError());
+      }
+      if (real) megamoe::combine_rows(c, N, d_slots, d_w, false, T, kSlots, y, s1);
+      CK(cudaEventRecord(end1, s1));
+      if (gemm_sms > 0) {
+        const megamoe::SmLimit cap(gemm_sms);
+        megamoe::sm90::m_grouped_fp8_gemm_nt(g, s0);
+      }
+      CK(cudaEventRecord(l2_end, s0));
+      CK(cudaStreamWaitEvent(s0, end1, 0));
+      CK(cudaEventRecord(end0, s0));
+      CK(cudaStreamSynchronize(s0));
+      float t; CK(cudaEventElapsedTime(&t, start, end0));
+      float tl, tc;
+      CK(cudaEventElapsedTime(&tl, start, l2_end)); CK(cudaEventElapsedTime(&tc, start, end1));
+      if (i >= 3) { us.push_back(t * 1000); l2_us.push_back(tl * 1000); c_us.push_back(tc * 1000); }
+    }
+    const auto median = [](std::vector<float>& v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+    l2_done = median(l2_us);
+    combine_done = median(c_us);
+    return median(us);
+  };
+
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const double l2 = run(sms, 0, false);
+  const double combine = run(0, 0, true);
+  const double stand_all = run(0, sms, false);
+  std::printf("%s, %d SMs; columns reduced beside L2: %lld of %lld (frac %.3f)\n", prop.name,
+              sms, (long long)v1 * 8, (long long)N, double(v1) / vecs);
+  std::printf("L2 alone %.1f us; combine_rows alone %.1f us; stand-in on every SM for those "
+              "columns %.1f us\n", l2, combine, stand_all);
+  std::printf("L2 + combine in sequence: %.1f us\n", l2 + combine);
+  std::printf("%4s %10s %14s %12s %9s %14s %10s %18s\n", "s", "L2 on rest", "stand-in on s",
+              "side by side", "L2 ends", "stand-in ends", "+ last", "gain vs sequence");
+  for (int s : side) {
+    if (s <= 0 || s >= sms) continue;
+    const double l2_rest = run(sms - s, 0, false);
+    const double stand = run(0, s, false);
+    const double both = run(sms - s, s, false);
+    const double rest = combine * (1.0 - double(v1) / vecs);
+    std::printf("%4d %10.1f %14.1f %12.1f %9.1f %14.1f %10.1f %18.1f\n", s, l2_rest, stand,
+                both, l2_done, combine_done, both + rest, l2 + combine - (both + rest));
+  }
+  return 0;
+}
