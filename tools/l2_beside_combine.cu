@@ -8,6 +8,9 @@
 //   - L2 alone on every SM and on sms - s; the real combine (combine_rows) on every SM;
 //   - the stand-in on s SMs alone (1024 threads, one block an SM) for `frac` of the columns,
 //     and both side by side (the makespan: from before the first launch to both ends).
+// Two stand-ins: `plain`, a thread per (token, vector) item, and `lean`, which keeps its
+// vector and loads the next token's slots ahead (fewer instructions and no wait for the
+// index loads before the row loads), to tell the combine's own limits from the overlap's.
 // The forward's part that an overlap replaces is L2 + combine; with it, the makespan + the
 // last block's combine (1 - frac of combine_rows) + what L2's N-grouped order costs (the
 // probe of branch l2-n-grouped-order; PERFLOG, third session of 2026-12-06). Each stream's
@@ -18,7 +21,7 @@
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc -Iinclude \
 //     tools/l2_beside_combine.cu build/tests/cpp/libmegamoe_internal_for_tests.a -lcuda \
 //     -o build/l2_beside_combine
-// Run: build/l2_beside_combine [frac=0.75] [iters=20] [s ...=8 16 24 32]
+// Run: build/l2_beside_combine [frac=0.75] [iters=20] [plain|lean] [s ...=8 16 24 32]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -28,6 +31,7 @@
 #include <cstdlib>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/common/combine_rows.h"
@@ -80,13 +84,80 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0 && T < 0) hold[0] = 1;
 }
 
+// The same sums with less in the way of the loads: each thread keeps one vector v of its
+// tokens (blockDim a multiple of the width, so no division in the loop), and the next
+// token's slot rows and weights are loaded before this token's rows are summed, so the
+// rows' loads need not wait behind the index loads.
+__global__ void __launch_bounds__(kThreads)
+    stand_in_combine_lean(const uint4* __restrict__ o, int vecs, int v0, int width,
+                          const int32_t* __restrict__ slot_row, const float* __restrict__ w,
+                          int T, uint4* __restrict__ y) {
+  extern __shared__ char hold[];
+  const int per_pass = blockDim.x / width;
+  const int v = v0 + threadIdx.x % width;
+  const int step = gridDim.x * per_pass;
+  int t = blockIdx.x * per_pass + threadIdx.x / width;
+  int r[kSlots];
+  float p[kSlots];
+  const auto load_slots = [&](int tok) {
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      r[j] = tok < T ? __ldg(slot_row + tok * kSlots + j) : 0;
+      p[j] = tok < T ? __ldg(w + tok * kSlots + j) : 0.0f;
+    }
+  };
+  load_slots(t);
+  for (; t < T; t += step) {
+    uint4 val[kSlots];
+    float pj[kSlots];
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      val[j] = __ldg(o + int64_t(r[j]) * vecs + v);
+      pj[j] = p[j];
+    }
+    load_slots(t + step);
+    float acc[8] = {};
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&val[j]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(h[q]);
+        acc[2 * q] = fmaf(pj[j], f.x, acc[2 * q]);
+        acc[2 * q + 1] = fmaf(pj[j], f.y, acc[2 * q + 1]);
+      }
+    }
+    uint4 out;
+    __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    y[int64_t(t) * vecs + v] = out;
+  }
+  if (threadIdx.x == 0 && T < 0) hold[0] = 1;
+}
+
+// bf16 values in [-1, 1) from a hash of the index, so that every slot row differs.
+__global__ void fill_hash(__nv_bfloat16* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ uint32_t(i >> 32);
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
+    x[i] = __float2bfloat16(float(h >> 8) / float(1 << 23) - 1.0f);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const double frac = argc > 1 ? std::atof(argv[1]) : 0.75;
   const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
+  const bool lean = argc > 3 && std::string(argv[3]) == "lean";
+  if (argc > 3 && !lean && std::string(argv[3]) != "plain") {
+    std::fprintf(stderr, "variant: expected plain or lean, got %s\n", argv[3]);
+    return 2;
+  }
   std::vector<int> side;
-  for (int i = 3; i < argc; ++i) side.push_back(std::atoi(argv[i]));
+  for (int i = 4; i < argc; ++i) side.push_back(std::atoi(argv[i]));
   if (side.empty()) side = {8, 16, 24, 32};
 
   const int E = 128, per = 1024, K = 768, N = 2048, T = 16384;
@@ -138,6 +209,8 @@ int main(int argc, char** argv) {
   constexpr int kHoldBytes = 200 * 1024;
   CK(cudaFuncSetAttribute(stand_in_combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           kHoldBytes));
+  CK(cudaFuncSetAttribute(stand_in_combine_lean, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          kHoldBytes));
   cudaEvent_t start, end0, end1, l2_end;
   CK(cudaEventCreate(&start)); CK(cudaEventCreate(&end0)); CK(cudaEventCreate(&end1));
   CK(cudaEventCreate(&l2_end));
@@ -153,7 +226,13 @@ int main(int argc, char** argv) {
     for (int i = 0; i < iters + 3; ++i) {
       CK(cudaEventRecord(start, s0));
       CK(cudaStreamWaitEvent(s1, start, 0));
-      if (combine_sms > 0) {
+      if (combine_sms > 0 && lean) {
+        const int width = int(v1), threads = (kThreads / width) * width;
+        stand_in_combine_lean<<<combine_sms, threads, kHoldBytes, s1>>>(
+            reinterpret_cast<const uint4*>(c), int(vecs), 0, width, d_slots, d_w, T,
+            reinterpret_cast<uint4*>(y));
+        CK(cudaGetLastError());
+      } else if (combine_sms > 0) {
         stand_in_combine<<<combine_sms, kThreads, kHoldBytes, s1>>>(
             reinterpret_cast<const uint4*>(c), vecs, 0, v1, d_slots, d_w, T,
             reinterpret_cast<uint4*>(y));
@@ -185,8 +264,27 @@ int main(int argc, char** argv) {
   const double l2 = run(sms, 0, false);
   const double combine = run(0, 0, true);
   const double stand_all = run(0, sms, false);
-  std::printf("%s, %d SMs; columns reduced beside L2: %lld of %lld (frac %.3f)\n", prop.name,
-              sms, (long long)v1 * 8, (long long)N, double(v1) / vecs);
+  // The stand-in's sums must be combine_rows' on its columns (bitwise: the same fma order),
+  // so that it is known to move the same bytes. c gets distinct values for the check.
+  {
+    fill_hash<<<1024, 256, 0, s0>>>(c, rows * N);
+    CK(cudaGetLastError());
+    std::vector<uint16_t> want(int64_t(T) * N), got(int64_t(T) * N);
+    megamoe::combine_rows(c, N, d_slots, d_w, false, T, kSlots, y, s0);
+    CK(cudaMemcpyAsync(want.data(), y, want.size() * 2, cudaMemcpyDeviceToHost, s0));
+    CK(cudaMemsetAsync(y, 0xff, want.size() * 2, s0));
+    CK(cudaStreamSynchronize(s0));
+    run(0, sms, false);
+    CK(cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t col = 0; col < v1 * 8; ++col) bad += want[t * N + col] != got[t * N + col];
+    std::printf("stand-in sums against combine_rows' on its %lld columns: %lld differ\n",
+                (long long)v1 * 8, (long long)bad);
+  }
+  std::printf("%s, %d SMs; stand-in %s; columns reduced beside L2: %lld of %lld (frac %.3f)\n",
+              prop.name, sms, lean ? "lean" : "plain", (long long)v1 * 8, (long long)N,
+              double(v1) / vecs);
   std::printf("L2 alone %.1f us; combine_rows alone %.1f us; stand-in on every SM for those "
               "columns %.1f us\n", l2, combine, stand_all);
   std::printf("L2 + combine in sequence: %.1f us\n", l2 + combine);
