@@ -44,8 +44,29 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kSlots = 8;
 
+// The k slots' 8 bf16 values each, weighted and summed in fp32 in slot order from +0 (fma,
+// as combine_rows does), rounded once to bf16.
+__device__ __forceinline__ uint4 weighted_sum(const uint4 (&val)[kSlots], const float (&p)[kSlots]) {
+  float acc[8] = {};
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&val[j]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(h[q]);
+      acc[2 * q] = fmaf(p[j], f.x, acc[2 * q]);
+      acc[2 * q + 1] = fmaf(p[j], f.y, acc[2 * q + 1]);
+    }
+  }
+  uint4 out;
+  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return out;
+}
+
 // Columns [v0, v1) (16-byte vectors) of every token: thread per (token, vector), the k
-// slots' loads in flight together, fma in slot order from +0 as combine_rows does.
+// slots' loads in flight together.
 __global__ void __launch_bounds__(kThreads)
     stand_in_combine(const uint4* __restrict__ o, int64_t vecs, int64_t v0, int64_t v1,
                      const int32_t* __restrict__ slot_row, const float* __restrict__ w,
@@ -64,22 +85,7 @@ __global__ void __launch_bounds__(kThreads)
       p[j] = __ldg(w + t * kSlots + j);
       val[j] = __ldg(o + r * vecs + v);
     }
-    float acc[8] = {};
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j) {
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&val[j]);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] = fmaf(p[j], f.x, acc[2 * q]);
-        acc[2 * q + 1] = fmaf(p[j], f.y, acc[2 * q + 1]);
-      }
-    }
-    uint4 out;
-    __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    y[t * vecs + v] = out;
+    y[t * vecs + v] = weighted_sum(val, p);
   }
   if (threadIdx.x == 0 && T < 0) hold[0] = 1;
 }
@@ -116,22 +122,7 @@ __global__ void __launch_bounds__(kThreads)
       pj[j] = p[j];
     }
     load_slots(t + step);
-    float acc[8] = {};
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j) {
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&val[j]);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] = fmaf(pj[j], f.x, acc[2 * q]);
-        acc[2 * q + 1] = fmaf(pj[j], f.y, acc[2 * q + 1]);
-      }
-    }
-    uint4 out;
-    __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    y[int64_t(t) * vecs + v] = out;
+    y[int64_t(t) * vecs + v] = weighted_sum(val, pj);
   }
   if (threadIdx.x == 0 && T < 0) hold[0] = 1;
 }
