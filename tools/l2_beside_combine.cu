@@ -6,11 +6,14 @@
 // combine would reduce column block j of every token while L2 computes the later blocks; the
 // last block's share stays after L2. Medians of `iters` runs, in one process:
 //   - L2 alone on every SM and on sms - s; the real combine (combine_rows) on every SM;
-//   - the stand-in on s SMs alone (1024 threads, one block an SM) for `frac` of the columns,
+//   - the stand-in on s SMs alone (one block an SM, held alone by its shared memory) for
+//     `frac` of the columns,
 //     and both side by side (the makespan: from before the first launch to both ends).
-// Two stand-ins: `plain`, a thread per (token, vector) item, and `lean`, which keeps its
+// Three stand-ins: `plain`, a thread per (token, vector) item; `lean`, which keeps its
 // vector and loads the next token's slots ahead (fewer instructions and no wait for the
-// index loads before the row loads), to tell the combine's own limits from the overlap's.
+// index loads before the row loads); and `staged`, the EP combine send's bulk copies into
+// shared memory (every column of that fraction of the tokens), to tell the combine's own
+// limits from the overlap's.
 // The forward's part that an overlap replaces is L2 + combine; with it, the makespan + the
 // last block's combine (1 - frac of combine_rows) + what L2's N-grouped order costs (the
 // probe of branch l2-n-grouped-order; PERFLOG, third session of 2026-12-06). Each stream's
@@ -21,7 +24,7 @@
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc -Iinclude \
 //     tools/l2_beside_combine.cu build/tests/cpp/libmegamoe_internal_for_tests.a -lcuda \
 //     -o build/l2_beside_combine
-// Run: build/l2_beside_combine [frac=0.75] [iters=20] [plain|lean] [s ...=8 16 24 32]
+// Run: build/l2_beside_combine [frac=0.75] [iters=20] [plain|lean|staged] [s ...=8 16 24 32]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -34,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/staged_row_sums.cuh"
 #include "kernels/common/combine_rows.h"
 #include "kernels/common/sm_count.h"
 #include "kernels/sm90/gemm_fp8.h"
@@ -127,6 +131,30 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0 && T < 0) hold[0] = 1;
 }
 
+// The EP combine send's form (comm/staged_row_sums.cuh): a warp per token, its slot rows
+// brought into shared memory by bulk copies, which on few SMs beside a GEMM moved 1.4-1.7x
+// the bytes of lanes' own loads there. Its stages hold whole 512-byte row pieces, so it
+// reduces every column of the first `tokens` tokens: the same bytes as a fraction of the
+// columns of every token.
+using Staged = megamoe::ep::StagedRowSums<kSlots>;
+__global__ void __launch_bounds__(Staged::kThreads, 1)
+    stand_in_combine_staged(const __nv_bfloat16* __restrict__ o, int H,
+                            const int32_t* __restrict__ slot_row, const float* __restrict__ w,
+                            int tokens, __nv_bfloat16* __restrict__ y) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * Staged::kWarps;
+  int64_t i = blockIdx.x * int64_t(Staged::kWarps) + threadIdx.x / 32;
+  Staged::run(o, H, kSlots, smem, [&]() -> megamoe::ep::StagedToken {
+    if (i >= tokens) return {true, -1, 0.f, nullptr};
+    const int32_t row = lane < kSlots ? __ldg(slot_row + i * kSlots + lane) : -1;
+    const float weight = lane < kSlots ? __ldg(w + i * kSlots + lane) : 0.f;
+    __nv_bfloat16* out = y + i * H;
+    i += warps;
+    return {false, row, weight, out};
+  });
+}
+
 // bf16 values in [-1, 1) from a hash of the index, so that every slot row differs.
 __global__ void fill_hash(__nv_bfloat16* x, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
@@ -142,9 +170,10 @@ __global__ void fill_hash(__nv_bfloat16* x, int64_t n) {
 int main(int argc, char** argv) {
   const double frac = argc > 1 ? std::atof(argv[1]) : 0.75;
   const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
-  const bool lean = argc > 3 && std::string(argv[3]) == "lean";
-  if (argc > 3 && !lean && std::string(argv[3]) != "plain") {
-    std::fprintf(stderr, "variant: expected plain or lean, got %s\n", argv[3]);
+  const std::string variant = argc > 3 ? argv[3] : "plain";
+  const bool lean = variant == "lean", staged = variant == "staged";
+  if (!lean && !staged && variant != "plain") {
+    std::fprintf(stderr, "variant: expected plain, lean or staged, got %s\n", variant.c_str());
     return 2;
   }
   std::vector<int> side;
@@ -202,12 +231,16 @@ int main(int argc, char** argv) {
                           kHoldBytes));
   CK(cudaFuncSetAttribute(stand_in_combine_lean, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           kHoldBytes));
+  CK(cudaFuncSetAttribute(stand_in_combine_staged, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          Staged::kSharedBytes));
   cudaEvent_t start, end0, end1, l2_end;
   CK(cudaEventCreate(&start)); CK(cudaEventCreate(&end0)); CK(cudaEventCreate(&end1));
   CK(cudaEventCreate(&l2_end));
   const int sms = megamoe::sm_count();
   const int64_t vecs = N / 8;
   const int64_t v1 = std::max<int64_t>(1, std::min<int64_t>(vecs, int64_t(frac * vecs + 0.5)));
+  // The staged stand-in's share as tokens: the same fraction of the bytes.
+  const int staged_tokens = int(int64_t(T) * v1 / vecs);
 
   // gemm_sms 0: no L2; combine_sms 0: no stand-in; real: combine_rows on every SM instead.
   // Also the medians of each stream's own end (L2's, the combine's), from the same start.
@@ -217,7 +250,11 @@ int main(int argc, char** argv) {
     for (int i = 0; i < iters + 3; ++i) {
       CK(cudaEventRecord(start, s0));
       CK(cudaStreamWaitEvent(s1, start, 0));
-      if (combine_sms > 0 && lean) {
+      if (combine_sms > 0 && staged) {
+        stand_in_combine_staged<<<combine_sms, Staged::kThreads, Staged::kSharedBytes, s1>>>(
+            c, N, d_slots, d_w, staged_tokens, y);
+        CK(cudaGetLastError());
+      } else if (combine_sms > 0 && lean) {
         const int width = int(v1), threads = (kThreads / width) * width;
         stand_in_combine_lean<<<combine_sms, threads, kHoldBytes, s1>>>(
             reinterpret_cast<const uint4*>(c), int(vecs), 0, width, d_slots, d_w, T,
@@ -268,16 +305,22 @@ int main(int argc, char** argv) {
     run(0, sms, false);
     CK(cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost));
     int64_t bad = 0;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t col = 0; col < v1 * 8; ++col) bad += want[t * N + col] != got[t * N + col];
-    std::printf("stand-in sums against combine_rows' on its %lld columns: %lld differ\n",
-                (long long)v1 * 8, (long long)bad);
+    const int64_t check_tokens = staged ? staged_tokens : T, check_cols = staged ? N : v1 * 8;
+    for (int64_t t = 0; t < check_tokens; ++t)
+      for (int64_t col = 0; col < check_cols; ++col) bad += want[t * N + col] != got[t * N + col];
+    std::printf("stand-in sums against combine_rows' on its %lld tokens x %lld columns: %lld "
+                "differ\n", (long long)check_tokens, (long long)check_cols, (long long)bad);
   }
-  std::printf("%s, %d SMs; stand-in %s; columns reduced beside L2: %lld of %lld (frac %.3f)\n",
-              prop.name, sms, lean ? "lean" : "plain", (long long)v1 * 8, (long long)N,
-              double(v1) / vecs);
-  std::printf("L2 alone %.1f us; combine_rows alone %.1f us; stand-in on every SM for those "
-              "columns %.1f us\n", l2, combine, stand_all);
+  if (staged) {
+    std::printf("%s, %d SMs; stand-in staged; tokens reduced beside L2: %d of %d (frac %.3f)\n",
+                prop.name, sms, staged_tokens, T, double(staged_tokens) / T);
+  } else {
+    std::printf("%s, %d SMs; stand-in %s; columns reduced beside L2: %lld of %lld (frac %.3f)\n",
+                prop.name, sms, variant.c_str(), (long long)v1 * 8, (long long)N,
+                double(v1) / vecs);
+  }
+  std::printf("L2 alone %.1f us; combine_rows alone %.1f us; stand-in on every SM for its "
+              "share %.1f us\n", l2, combine, stand_all);
   std::printf("L2 + combine in sequence: %.1f us\n", l2 + combine);
   std::printf("%4s %10s %14s %12s %9s %14s %10s %18s\n", "s", "L2 on rest", "stand-in on s",
               "side by side", "L2 ends", "stand-in ends", "+ last", "gain vs sequence");
