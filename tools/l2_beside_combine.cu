@@ -1,6 +1,6 @@
 // What an overlapped combine could buy the FP8 forward, before building one: the 30b
 // preset's FP8 L2 (131072 expert-sorted rows, 128 experts of 1024 rows, K = 768, N = 2048,
-// bf16 out) on the SMs less s, beside a stand-in combine on s SMs that reduces a fraction of
+// bf16 out; or the 235b preset's, K = 1536, N = 4096) on the SMs less s, beside a stand-in combine on s SMs that reduces a fraction of
 // the columns of every token (k = 8 random slots, fp32 weights, the combine kernel's
 // arithmetic and access pattern), launched on another stream just before it. An overlapped
 // combine would reduce column block j of every token while L2 computes the later blocks; the
@@ -24,7 +24,7 @@
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc -Iinclude \
 //     tools/l2_beside_combine.cu build/tests/cpp/libmegamoe_internal_for_tests.a -lcuda \
 //     -o build/l2_beside_combine
-// Run: build/l2_beside_combine [frac=0.75] [iters=20] [plain|lean|staged] [s ...=8 16 24 32]
+// Run: build/l2_beside_combine [30b|235b] [frac=0.75] [iters=20] [plain|lean|staged] [s ...=8 16 24 32]
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -168,6 +168,10 @@ __global__ void fill_hash(__nv_bfloat16* x, int64_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // An optional first argument names the preset: 30b (the default) or 235b.
+  const std::string preset = argc > 1 && (std::string(argv[1]) == "30b" ||
+                                          std::string(argv[1]) == "235b") ? argv[1] : "30b";
+  if (argc > 1 && std::string(argv[1]) == preset) { --argc; ++argv; }
   const double frac = argc > 1 ? std::atof(argv[1]) : 0.75;
   const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
   const std::string variant = argc > 3 ? argv[3] : "plain";
@@ -180,7 +184,9 @@ int main(int argc, char** argv) {
   for (int i = 4; i < argc; ++i) side.push_back(std::atoi(argv[i]));
   if (side.empty()) side = {8, 16, 24, 32};
 
-  const int E = 128, per = 1024, K = 768, N = 2048, T = 16384;
+  // L2 of the preset: K = I (moe_intermediate_size), N = H (hidden_size); 128 experts, k = 8.
+  const bool big = preset == "235b";
+  const int E = 128, per = 1024, K = big ? 1536 : 768, N = big ? 4096 : 2048, T = 16384;
   const int64_t rows = int64_t(E) * per;
   std::vector<int32_t> off(E + 1), tiles(E + 1);
   for (int e = 0; e <= E; ++e) { off[e] = e * per; tiles[e] = e * (per / 128); }
@@ -312,12 +318,13 @@ int main(int argc, char** argv) {
                 "differ\n", (long long)check_tokens, (long long)check_cols, (long long)bad);
   }
   if (staged) {
-    std::printf("%s, %d SMs; stand-in staged; tokens reduced beside L2: %d of %d (frac %.3f)\n",
-                prop.name, sms, staged_tokens, T, double(staged_tokens) / T);
+    std::printf("%s, %d SMs; %s; stand-in staged; tokens reduced beside L2: %d of %d (frac "
+                "%.3f)\n", prop.name, sms, preset.c_str(), staged_tokens, T,
+                double(staged_tokens) / T);
   } else {
-    std::printf("%s, %d SMs; stand-in %s; columns reduced beside L2: %lld of %lld (frac %.3f)\n",
-                prop.name, sms, variant.c_str(), (long long)v1 * 8, (long long)N,
-                double(v1) / vecs);
+    std::printf("%s, %d SMs; %s; stand-in %s; columns reduced beside L2: %lld of %lld (frac "
+                "%.3f)\n", prop.name, sms, preset.c_str(), variant.c_str(), (long long)v1 * 8,
+                (long long)N, double(v1) / vecs);
   }
   std::printf("L2 alone %.1f us; combine_rows alone %.1f us; stand-in on every SM for its "
               "share %.1f us\n", l2, combine, stand_all);
