@@ -353,5 +353,57 @@ int main(int argc, char** argv) {
     std::printf("%4d %10.1f %14.1f %12.1f %9.1f %14.1f %10.1f %18.1f\n", s, l2_rest, stand,
                 both, l2_done, combine_done, both + rest, l2 + combine - (both + rest));
   }
+  if (!staged) return 0;
+
+  // The same comparison end to end and interleaved, so that both sides see the same power
+  // state (under the cap, L2 alone on the same SMs moved by 10-15% between configurations
+  // timed seconds apart in one process):
+  // each iteration times the sequence (L2 on every SM, then combine_rows over every token)
+  // and then the overlap (the staged stand-in on s SMs for its tokens beside L2 on the
+  // rest, then combine_rows over the remaining tokens on every SM), from one event to the
+  // next on s0.
+  const auto time_of = [&](auto&& work) {
+    CK(cudaEventRecord(start, s0));
+    work();
+    CK(cudaEventRecord(end0, s0));
+    CK(cudaStreamSynchronize(s0));
+    float t; CK(cudaEventElapsedTime(&t, start, end0));
+    return t * 1000;
+  };
+  std::printf("interleaved, medians of %d pairs: %4s %12s %12s %10s\n", iters, "s", "sequence",
+              "overlap", "gain");
+  for (int s : side) {
+    if (s <= 0 || s >= sms) continue;
+    std::vector<float> seq, ovl;
+    for (int i = 0; i < iters + 3; ++i) {
+      const float a = time_of([&] {
+        megamoe::sm90::m_grouped_fp8_gemm_nt(g, s0);
+        megamoe::combine_rows(c, N, d_slots, d_w, false, T, kSlots, y, s0);
+      });
+      const float b = time_of([&] {
+        CK(cudaStreamWaitEvent(s1, start, 0));
+        stand_in_combine_staged<<<s, Staged::kThreads, Staged::kSharedBytes, s1>>>(
+            c, N, d_slots, d_w, staged_tokens, y);
+        CK(cudaGetLastError());
+        CK(cudaEventRecord(end1, s1));
+        {
+          const megamoe::SmLimit cap(sms - s);
+          megamoe::sm90::m_grouped_fp8_gemm_nt(g, s0);
+        }
+        CK(cudaStreamWaitEvent(s0, end1, 0));
+        if (staged_tokens < T) {
+          megamoe::combine_rows(c, N, d_slots + int64_t(staged_tokens) * kSlots,
+                                d_w + int64_t(staged_tokens) * kSlots, false, T - staged_tokens,
+                                kSlots, y + int64_t(staged_tokens) * N, s0);
+        }
+      });
+      if (i >= 3) { seq.push_back(a); ovl.push_back(b); }
+    }
+    std::sort(seq.begin(), seq.end());
+    std::sort(ovl.begin(), ovl.end());
+    const float m_seq = seq[seq.size() / 2], m_ovl = ovl[ovl.size() / 2];
+    std::printf("interleaved, medians of %d pairs: %4d %12.1f %12.1f %10.1f\n", iters, s, m_seq,
+                m_ovl, m_seq - m_ovl);
+  }
   return 0;
 }
