@@ -1,24 +1,26 @@
-// What an overlapped combine could buy the FP8 forward, before building one: the 30b
-// preset's FP8 L2 (131072 expert-sorted rows, 128 experts of 1024 rows, K = 768, N = 2048,
-// bf16 out; or the 235b preset's, K = 1536, N = 4096) on the SMs less s, beside a stand-in combine on s SMs that reduces a fraction of
-// the columns of every token (k = 8 random slots, fp32 weights, the combine kernel's
-// arithmetic and access pattern), launched on another stream just before it. An overlapped
-// combine would reduce column block j of every token while L2 computes the later blocks; the
-// last block's share stays after L2. Medians of `iters` runs, in one process:
-//   - L2 alone on every SM and on sms - s; the real combine (combine_rows) on every SM;
-//   - the stand-in on s SMs alone (one block an SM, held alone by its shared memory) for
-//     `frac` of the columns,
-//     and both side by side (the makespan: from before the first launch to both ends).
-// Three stand-ins: `plain`, a thread per (token, vector) item; `lean`, which keeps its
-// vector and loads the next token's slots ahead (fewer instructions and no wait for the
-// index loads before the row loads); and `staged`, the EP combine send's bulk copies into
-// shared memory (every column of that fraction of the tokens), to tell the combine's own
-// limits from the overlap's.
-// The forward's part that an overlap replaces is L2 + combine; with it, the makespan + the
-// last block's combine (1 - frac of combine_rows) + what L2's N-grouped order costs (the
-// probe of branch l2-n-grouped-order; PERFLOG, third session of 2026-12-06). Each stream's
-// own end is printed too, to tell which of the two the makespan waited for. Results: PERFLOG,
-// fourth session of 2026-12-06.
+// What an overlapped combine could buy the FP8 forward, before building one. L2 of a preset
+// (30b: 131072 expert-sorted rows, 128 experts of 1024 rows, K = 768, N = 2048; 235b:
+// K = 1536, N = 4096; bf16 out, operands from a hash) runs on all SMs but s, beside a
+// stand-in combine on s SMs launched on another stream just before it. The stand-in reduces
+// a fraction of the combine's bytes (k = 8 random slots, fp32 weights, combine_rows' fma
+// order and bits), as a combine that reduces column block j of every token while L2
+// computes the later blocks would; the last block stays after L2.
+//
+// Three stand-ins:
+//   - `plain`: a thread per (token, 16-byte vector) item, `frac` of the columns;
+//   - `lean`: each thread keeps its vector and loads the next token's slots ahead (fewer
+//     instructions, no wait for the index loads before the row loads);
+//   - `staged`: the EP combine send's bulk copies into shared memory
+//     (comm/staged_row_sums.cuh), every column of `frac` of the tokens (the same bytes).
+//
+// It prints, medians of `iters` runs in one process:
+//   - L2 alone on every SM and on sms - s, combine_rows on every SM, the stand-in alone;
+//   - both side by side: the makespan and each stream's own end, and that plus the last
+//     block's combine (1 - frac of combine_rows) against L2 + combine_rows;
+//   - staged only: the same comparison end to end, interleaved pair by pair with the
+//     sequence, so that both see the same power state.
+// What L2's N-grouped order costs is not in these figures (branch l2-n-grouped-order's
+// probe). Results: PERFLOG, fourth session of 2026-12-06.
 //
 // Build (after the library's build, against its test archive):
 //   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -Icsrc -Iinclude \
