@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "comm/staged_row_sums.cuh"
+#include "kernels/common/bf16_row.cuh"
 #include "kernels/common/combine_rows.h"
 #include "kernels/common/sm_count.h"
 #include "kernels/sm90/gemm_fp8.h"
@@ -50,25 +51,13 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kSlots = 8;
 
-// The k slots' 8 bf16 values each, weighted and summed in fp32 in slot order from +0 (fma,
-// as combine_rows does), rounded once to bf16.
+// The k slots' 8 bf16 values each, weighted and summed as combine_rows sums them
+// (kernels/common/bf16_row.cuh: fma in slot order from +0, rounded once).
 __device__ __forceinline__ uint4 weighted_sum(const uint4 (&val)[kSlots], const float (&p)[kSlots]) {
   float acc[8] = {};
 #pragma unroll
-  for (int j = 0; j < kSlots; ++j) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&val[j]);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float2 f = __bfloat1622float2(h[q]);
-      acc[2 * q] = fmaf(p[j], f.x, acc[2 * q]);
-      acc[2 * q + 1] = fmaf(p[j], f.y, acc[2 * q + 1]);
-    }
-  }
-  uint4 out;
-  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-  return out;
+  for (int j = 0; j < kSlots; ++j) megamoe::fma_row(acc, p[j], val[j]);
+  return megamoe::pack_row(acc);
 }
 
 // Columns [v0, v1) (16-byte vectors) of every token: thread per (token, vector), the k
@@ -157,24 +146,21 @@ __global__ void __launch_bounds__(Staged::kThreads, 1)
   });
 }
 
-// bf16 values in [-1, 1) from a hash of the index, so that every slot row differs.
-__global__ void fill_hash(__nv_bfloat16* x, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ uint32_t(i >> 32);
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-    x[i] = __float2bfloat16(float(h >> 8) / float(1 << 23) - 1.0f);
-  }
+// A value in [-1, 1) from a hash of the index and a seed.
+__device__ __forceinline__ float hashed_unit(int64_t i, uint32_t seed) {
+  uint32_t h = (uint32_t(i) ^ seed) * 2654435761u ^ uint32_t(i >> 32);
+  h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
+  return float(h >> 8) / float(1 << 23) - 1.0f;
 }
 
-// e4m3 values in [-1, 1) from the same hash: operands that vary draw the tensor cores'
-// real power, and so run L2 at the clocks it gets in the layer under the power cap.
-__global__ void fill_hash_e4m3(__nv_fp8_e4m3* x, int64_t n, uint32_t seed) {
+// x[i] = hashed_unit(i, seed) as T: bf16 slot rows that all differ, for the bitwise check;
+// e4m3 operands that vary, which draw the tensor cores' real power and so run L2 at the
+// clocks it gets in the layer under the power cap.
+template <class T>
+__global__ void fill_hash(T* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = (uint32_t(i) ^ seed) * 2654435761u ^ uint32_t(i >> 32);
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-    x[i] = __nv_fp8_e4m3(float(h >> 8) / float(1 << 23) - 1.0f);
+    x[i] = T(hashed_unit(i, seed));
   }
 }
 
@@ -227,8 +213,8 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&a, rows * K)); CK(cudaMalloc(&b, int64_t(E) * N * K));
   CK(cudaMalloc(&a_scales, 4 * a_scale_count)); CK(cudaMalloc(&b_scales, 4 * b_scale_count));
   CK(cudaMalloc(&c, rows * N * 2)); CK(cudaMalloc(&y, int64_t(T) * N * 2));
-  fill_hash_e4m3<<<1024, 256>>>(a, rows * K, 1u);
-  fill_hash_e4m3<<<1024, 256>>>(b, int64_t(E) * N * K, 2u);
+  fill_hash<<<1024, 256>>>(a, rows * K, 1u);
+  fill_hash<<<1024, 256>>>(b, int64_t(E) * N * K, 2u);
   CK(cudaGetLastError());
   {
     std::vector<float> ones(std::max(a_scale_count, b_scale_count), 1.0f);
@@ -266,27 +252,29 @@ int main(int argc, char** argv) {
   // gemm_sms 0: no L2; combine_sms 0: no stand-in; real: combine_rows on every SM instead.
   // Also the medians of each stream's own end (L2's, the combine's), from the same start.
   double l2_done = 0, combine_done = 0;
+  // The variant's stand-in on `blocks` SMs (one block each), on s1.
+  const auto launch_stand_in = [&](int blocks) {
+    if (staged) {
+      stand_in_combine_staged<<<blocks, Staged::kThreads, Staged::kSharedBytes, s1>>>(
+          c, N, d_slots, d_w, staged_tokens, y);
+    } else if (lean) {
+      const int width = int(v1), threads = (kThreads / width) * width;
+      stand_in_combine_lean<<<blocks, threads, kHoldBytes, s1>>>(
+          reinterpret_cast<const uint4*>(c), int(vecs), 0, width, d_slots, d_w, T,
+          reinterpret_cast<uint4*>(y));
+    } else {
+      stand_in_combine<<<blocks, kThreads, kHoldBytes, s1>>>(
+          reinterpret_cast<const uint4*>(c), vecs, 0, v1, d_slots, d_w, T,
+          reinterpret_cast<uint4*>(y));
+    }
+    CK(cudaGetLastError());
+  };
   const auto run = [&](int gemm_sms, int combine_sms, bool real) {
     std::vector<float> us, l2_us, c_us;
     for (int i = 0; i < iters + 3; ++i) {
       CK(cudaEventRecord(start, s0));
       CK(cudaStreamWaitEvent(s1, start, 0));
-      if (combine_sms > 0 && staged) {
-        stand_in_combine_staged<<<combine_sms, Staged::kThreads, Staged::kSharedBytes, s1>>>(
-            c, N, d_slots, d_w, staged_tokens, y);
-        CK(cudaGetLastError());
-      } else if (combine_sms > 0 && lean) {
-        const int width = int(v1), threads = (kThreads / width) * width;
-        stand_in_combine_lean<<<combine_sms, threads, kHoldBytes, s1>>>(
-            reinterpret_cast<const uint4*>(c), int(vecs), 0, width, d_slots, d_w, T,
-            reinterpret_cast<uint4*>(y));
-        CK(cudaGetLastError());
-      } else if (combine_sms > 0) {
-        stand_in_combine<<<combine_sms, kThreads, kHoldBytes, s1>>>(
-            reinterpret_cast<const uint4*>(c), vecs, 0, v1, d_slots, d_w, T,
-            reinterpret_cast<uint4*>(y));
-        CK(cudaGetLastError());
-      }
+      if (combine_sms > 0) launch_stand_in(combine_sms);
       if (real) megamoe::combine_rows(c, N, d_slots, d_w, false, T, kSlots, y, s1);
       CK(cudaEventRecord(end1, s1));
       if (gemm_sms > 0) {
@@ -316,7 +304,7 @@ int main(int argc, char** argv) {
   // The stand-in's sums must be combine_rows' on its columns (bitwise: the same fma order),
   // so that it is known to move the same bytes. c gets distinct values for the check.
   {
-    fill_hash<<<1024, 256, 0, s0>>>(c, rows * N);
+    fill_hash<<<1024, 256, 0, s0>>>(c, rows * N, 0u);
     CK(cudaGetLastError());
     std::vector<uint16_t> want(int64_t(T) * N), got(int64_t(T) * N);
     megamoe::combine_rows(c, N, d_slots, d_w, false, T, kSlots, y, s0);
@@ -384,9 +372,7 @@ int main(int argc, char** argv) {
       });
       const float b = time_of([&] {
         CK(cudaStreamWaitEvent(s1, start, 0));
-        stand_in_combine_staged<<<s, Staged::kThreads, Staged::kSharedBytes, s1>>>(
-            c, N, d_slots, d_w, staged_tokens, y);
-        CK(cudaGetLastError());
+        launch_stand_in(s);
         CK(cudaEventRecord(end1, s1));
         {
           const megamoe::SmLimit cap(sms - s);
