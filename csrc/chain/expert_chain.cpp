@@ -40,16 +40,23 @@ sm90::MGroupedA gathered(const Rows& r, const __nv_bfloat16* tokens) {
 // ---- FP8 ------------------------------------------------------------------------------
 
 // A bf16 buffer of `elements` whose bytes also hold, before it is written, an e4m3 copy of
-// rows x cols with its scales (`fp8`): the piece is as large as the larger of the two.
+// rows x cols with its scales (`fp8`) and the quantizer's scratch of the token matrix's
+// scales (`token_scales`, [tokens, cols / 128]): the piece is as large as the larger of the
+// two.
 __nv_bfloat16* carve_shared_with_rows(WorkspaceCarver& c, int64_t elements, int64_t rows,
-                                      int64_t cols, Fp8Rows& fp8) {
+                                      int64_t tokens, int64_t cols, Fp8Rows& fp8,
+                                      float*& token_scales) {
+  const auto carve = [&](WorkspaceCarver& w) {
+    fp8 = carve_fp8_rows(w, rows, cols);
+    token_scales = w.take<float>(tokens * (cols / 128));
+  };
   WorkspaceCarver count;
-  carve_fp8_rows(count, rows, cols);
+  carve(count);
   const size_t bytes = std::max(static_cast<size_t>(elements) * sizeof(__nv_bfloat16),
                                 count.bytes());
   char* piece = c.take<char>(static_cast<int64_t>(bytes));
   WorkspaceCarver inside(piece, bytes);  // counts only when `c` does (piece is null)
-  fp8 = carve_fp8_rows(inside, rows, cols);
+  carve(inside);
   return reinterpret_cast<__nv_bfloat16*>(piece);
 }
 
@@ -187,9 +194,16 @@ bool fp8_gather_a() { return env_switch("MEGAMOE_FP8_GATHER_A"); }
 // not on how A arrives or on the tile width: each output has the same bits either way.
 // quantized: the token matrix already quantized (Rows::x_quantized), copied instead of
 // quantized (q null: quantize `tokens`); with fp8_gather_a() the GEMM gathers from it.
+// MEGAMOE_FP8_ROW_SCALES_SCATTERED set (and not "0"): x's and dy's quantizer writes each
+// scale straight to every sorted row its token goes to, instead of once per token and then
+// moved to the rows in order (Fp8RowDests::sources). A diagnostic, for an A/B of the two on
+// the GPU; the bits are the same.
+bool fp8_row_scales_scattered() { return env_switch("MEGAMOE_FP8_ROW_SCALES_SCATTERED"); }
+
+// token_scales: [r.tokens, cols / 128] scratch of the quantizer.
 sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens,
                                   const Fp8Rows& quantized, int64_t cols, const Fp8Rows& out,
-                                  cudaStream_t stream) {
+                                  float* token_scales, cudaStream_t stream) {
   if (fp8_gather_a()) {
     Fp8Rows from = quantized;
     if (from.q == nullptr) {
@@ -213,7 +227,13 @@ sm90::MGroupedFp8A token_rows_fp8(const Rows& r, const __nv_bfloat16* tokens,
     copy.out_scale_ld = out.scale_ld;
     copy_fp8_to_rows(copy, {r.plan.slot_row, r.topk}, stream);
   } else {
-    quantize_rows(tokens, r.tokens, cols, out, stream, {r.plan.slot_row, r.topk});
+    Fp8RowDests dests{r.plan.slot_row, r.topk};
+    if (r.row_token_inverts_slot_row && !fp8_row_scales_scattered()) {
+      dests.sources = r.plan.row_token;
+      dests.dest_rows = r.rows;
+      dests.row_scales = token_scales;
+    }
+    quantize_rows(tokens, r.tokens, cols, out, stream, dests);
   }
   // Sorted rows past expert_offsets[E] stay unwritten: the GEMMs store no row of them.
   return {out.q, r.rows, RowLayout::kSorted, nullptr, out.scales, out.scale_ld};
@@ -247,7 +267,8 @@ ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t toke
   ForwardBuffers b{};
   b.activation = carver.take<__nv_bfloat16>(rows * I);
   if (precision == Precision::kFp8) {
-    b.out = carve_shared_with_rows(carver, rows * H, std::max(rows, tokens), H, b.x_fp8);
+    b.out = carve_shared_with_rows(carver, rows * H, std::max(rows, tokens), tokens, H, b.x_fp8,
+                                   b.token_scales);
     b.activation_fp8 = carve_fp8_rows(carver, rows, I);
   } else {
     b.out = carver.take<__nv_bfloat16>(rows * H);
@@ -260,7 +281,8 @@ void forward(const Rows& rows, const Experts& w, const ForwardBuffers& b,
              bool with_l2) {
   const int64_t H = w.hidden, I = w.intermediate;
   if (w.fp8_forward()) {
-    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, rows.x_quantized, H, b.x_fp8, stream);
+    const sm90::MGroupedFp8A x =
+        token_rows_fp8(rows, rows.x, rows.x_quantized, H, b.x_fp8, b.token_scales, stream);
     const sm90::Fp8Weights gate_up = as_b(w.fp8_gate_up, 2 * I, H, false);
     // L2's A straight from L1's epilogue where its tiles allow (A by TMA), else through the
     // bf16 activation.
@@ -326,8 +348,8 @@ BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t to
   b.a = carver.take<__nv_bfloat16>(b.padded_rows * I);
   b.dp_partial = carver.take<float>(rows * (fp8 ? I / 128 : b.dp_parts));
   if (fp8) {
-    b.token_rows =
-        carve_shared_with_rows(carver, b.padded_rows * H, std::max(rows, tokens), H, b.dy_fp8);
+    b.token_rows = carve_shared_with_rows(carver, b.padded_rows * H, std::max(rows, tokens),
+                                          tokens, H, b.dy_fp8, b.token_scales);
     if (precision == Precision::kFp8 && !h_saved) b.x_fp8 = b.dy_fp8;  // x's, then dy's
     b.dh_fp8 = carve_fp8_rows(carver, b.padded_rows, 2 * I);
     b.lhs_fp8 = carve_columns(carver, b.padded_rows, std::max(H, 2 * I));
@@ -346,7 +368,8 @@ namespace {
 void backward_dgrad_l2_fp8(const Rows& rows, const Experts& w, const __nv_bfloat16* h,
                            const BackwardBuffers& b, cudaStream_t stream) {
   const int64_t H = w.hidden, I = w.intermediate;
-  const sm90::MGroupedFp8A dy = token_rows_fp8(rows, rows.dy, {}, H, b.dy_fp8, stream);
+  const sm90::MGroupedFp8A dy =
+      token_rows_fp8(rows, rows.dy, {}, H, b.dy_fp8, b.token_scales, stream);
   sm90::MGroupedFp8GemmArgs l2 = over_rows(rows, dy, as_b(w.fp8_down, H, I, true), H, I, nullptr);
   l2.c = {b.dh, 2 * I, b.padded_rows, RowLayout::kPadded};
   sm90::m_grouped_fp8_gemm_nt_swiglu_backward(
@@ -363,7 +386,8 @@ DgradDone backward_dgrad(const Rows& rows, const Experts& w, const __nv_bfloat16
   // in FP8 quantized into the sorted rows).
   const __nv_bfloat16* h = saved_h;
   if (h == nullptr && w.fp8_forward()) {  // the forward's FP8 GEMM, bit for bit
-    const sm90::MGroupedFp8A x = token_rows_fp8(rows, rows.x, {}, H, b.x_fp8, stream);
+    const sm90::MGroupedFp8A x =
+        token_rows_fp8(rows, rows.x, {}, H, b.x_fp8, b.token_scales, stream);
     sm90::m_grouped_fp8_gemm_nt(
         over_rows(rows, x, as_b(w.fp8_gate_up, 2 * I, H, false), H, 2 * I, b.h), stream);
     h = b.h;

@@ -22,9 +22,11 @@
 // FP8 L1's epilogue already as L2's e4m3 rows (wide tiles; with a gathered A, as bf16 rows
 // quantized after). MEGAMOE_FP8_GATHER_A=1 (read on every call) quantizes x and dy as token
 // matrices instead and gathers the GEMMs' A rows, MEGAMOE_FP8_UNFUSED_COLS=1 gathers p dy
-// and x into token_rows in bf16 before their column quantization, and
-// MEGAMOE_FP8_UNFUSED_ACT=1 writes the activation in bf16 and quantizes it after, for A/Bs
-// on the GPU: the same bits either way. dh's rows and its token-contiguous copy come from
+// and x into token_rows in bf16 before their column quantization,
+// MEGAMOE_FP8_UNFUSED_ACT=1 writes the activation in bf16 and quantizes it after, and
+// MEGAMOE_FP8_ROW_SCALES_SCATTERED=1 writes x's and dy's scales straight to every sorted row
+// instead of once per token and then to the rows in order, for A/Bs on the GPU: the same
+// bits either way. dh's rows and its token-contiguous copy come from
 // one read of dh (quantize_fp8_rows_and_columns) when the caller wants both;
 // MEGAMOE_FP8_UNFUSED_QUANT=1 quantizes them in two passes, for the same A/B. The weights'
 // FP8 copies are the caller's (quantized once per optimizer step).
@@ -75,6 +77,11 @@ struct Rows {
   // to its sorted rows (by slot_row) instead of quantized there, and x is not read. The same
   // bits. q null: x is quantized here.
   Fp8Rows x_quantized = {};
+  // FP8: plan.row_token is the exact inverse of plan.slot_row over `rows` rows (a plan of
+  // build_routing_plan): x and dy are then quantized into the sorted rows with their scales
+  // written once per token and moved to the rows in order (Fp8RowDests::sources). The
+  // same bits.
+  bool row_token_inverts_slot_row = false;
 };
 
 // x [tokens, cols] bf16 quantized into out [tokens, cols] (scale_ld >= tokens) as
@@ -140,6 +147,7 @@ struct ForwardBuffers {
   // in out's bytes: L2 writes out after L1 has read them.
   Fp8Rows x_fp8;
   Fp8Rows activation_fp8;     // kFp8: [rows, I]
+  float* token_scales;        // kFp8: [tokens, H / 128] scratch of the x quantizer, in out's bytes
 };
 ForwardBuffers carve_forward(WorkspaceCarver& carver, int64_t rows, int64_t tokens, int64_t H,
                              int64_t I, Precision precision = Precision::kBf16);
@@ -190,6 +198,7 @@ struct BackwardBuffers {
   // MEGAMOE_FP8_UNFUSED_QUANT, then p dy), rhs [max(I, H), padded_rows] (x, then a).
   Fp8Rows dy_fp8, x_fp8, dh_fp8;
   Fp8Columns lhs_fp8, rhs_fp8;
+  float* token_scales;      // FP8: [tokens, H / 128] scratch of the x and dy quantizers
 };
 // separate_dx_rows: dx_rows gets [rows, H] of its own instead of token_rows' bytes.
 BackwardBuffers carve_backward(WorkspaceCarver& carver, int64_t rows, int64_t tokens,

@@ -64,6 +64,7 @@ chain::Rows rows_of(const RoutingPlan& plan, int64_t T, int64_t k, int64_t E,
   r.x = x;
   r.dy = dy;
   r.slot_weights = topk_weights;
+  r.row_token_inverts_slot_row = true;  // build_routing_plan's
   return r;
 }
 

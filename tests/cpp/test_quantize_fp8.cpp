@@ -294,6 +294,21 @@ class QuantizeFp8SortedRows : public GpuTest {
       SCOPED_TRACE("quantize_fp8_to_rows");
       compare(q, s);
     }
+    {
+      // The scales written once per token into a poisoned scratch and then moved to the rows
+      // by the plan's inverse (row_token): the same bytes.
+      SCOPED_TRACE("quantize_fp8_to_rows with dests.sources");
+      CUDA_OK(cudaMemset(q, kPoisonByte, rows * H));
+      CUDA_OK(cudaMemset(s, 0x7b, blocks * ld_rows * sizeof(float)));
+      float* row_scales = alloc<float>(T * blocks);
+      CUDA_OK(cudaMemset(row_scales, 0x7b, T * blocks * sizeof(float)));
+      megamoe::Fp8RowDests by_source{slot_row_d, k};
+      by_source.sources = upload(sorted.row_token);
+      by_source.dest_rows = rows;
+      by_source.row_scales = row_scales;
+      megamoe::quantize_fp8_to_rows(to_rows, by_source, stream_);
+      compare(q, s);
+    }
     if (k > 32) return;
     SCOPED_TRACE("copy_fp8_to_rows");
     CUDA_OK(cudaMemset(q, kPoisonByte, rows * H));
@@ -339,6 +354,7 @@ std::vector<RoutingCase> routing_cases() {
       {130, 1, 384, 8, 0, 0},     // k = 1, expert 0 empty
       {257, 3, 128, 2, 1, 5},     // every row into one expert, some dropped
       {64, 4, 2048, 128, 7, 0},   // qwen3's H and E, few tokens
+      {100, 2, 5120, 8, -1, 3},   // 40 blocks a row: more than one batch of 32 scales
   };
 }
 
@@ -400,6 +416,29 @@ TEST(QuantizeFp8SortedRowsErrors, NeedsDestinations) {
   a.q_row = 128;
   expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, {nullptr, 2}, nullptr); },
                  "null dests.rows");
+  // The scales by source: both pointers, the [block][row] layout, one batch, aligned scratch.
+  a.s_0 = 1;
+  megamoe::Fp8RowDests by_source{&dest, 2};
+  by_source.sources = &dest;
+  expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
+                 "dests.sources and dests.row_scales go together");
+  alignas(16) float scratch[8] = {};
+  by_source.row_scales = scratch;
+  by_source.dest_rows = -1;
+  expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
+                 "negative dests.dest_rows");
+  by_source.dest_rows = 2;
+  by_source.row_scales = scratch + 1;
+  expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
+                 "dests.row_scales must be 16-byte aligned");
+  by_source.row_scales = scratch;
+  a.s_0 = 2;
+  expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
+                 "needs scales [block][row] (s_0 = 1) and one batch");
+  a.s_0 = 1;
+  a.batches = 2;
+  expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
+                 "needs scales [block][row] (s_0 = 1) and one batch");
 }
 
 TEST(CopyFp8ToRowsErrors, ArgumentsNamed) {

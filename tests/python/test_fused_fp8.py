@@ -123,10 +123,12 @@ UNFUSED_CASES = GATHER_A_CASES + [
 ]
 
 
-# A switch that unfuses a quantization, with the precisions it changes anything in: the
-# activation is quantized only by fp8's forward (fp8_bwd's forward is the bf16 one).
+# A switch that unfuses a quantization (or takes its earlier path), with the precisions it
+# changes anything in: the activation is quantized only by fp8's forward (fp8_bwd's forward
+# is the bf16 one).
 UNFUSED_SWITCHES = [(variable, precision)
-                    for variable in ("MEGAMOE_FP8_UNFUSED_COLS", "MEGAMOE_FP8_UNFUSED_QUANT")
+                    for variable in ("MEGAMOE_FP8_UNFUSED_COLS", "MEGAMOE_FP8_UNFUSED_QUANT",
+                                     "MEGAMOE_FP8_ROW_SCALES_SCATTERED")
                     for precision in PRECISIONS] + [("MEGAMOE_FP8_UNFUSED_ACT", "fp8")]
 
 
@@ -144,7 +146,9 @@ def test_fused_fp8_quantization_matches_the_unfused_path(T, H, I, E, k, extra, v
     it is then quantized into L2's rows, instead of L1's epilogue writing those rows (in
     the saved mode alongside h). MEGAMOE_FP8_UNFUSED_QUANT=1: dh quantized into its 1x128
     rows (the L1 dgrad's A) and into its token-contiguous copy (dW_gate_up's) in two passes
-    instead of one."""
+    instead of one. MEGAMOE_FP8_ROW_SCALES_SCATTERED=1: x's and dy's quantizer writes each
+    scale to every sorted row its token goes to, instead of once per token and then to the
+    rows in order."""
     p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", seed=T + 37, **extra)
     _check_switch_keeps_the_bits(p, variable, precision, mode, monkeypatch)
 

@@ -263,6 +263,11 @@ __device__ __forceinline__ void quantize_tile(const Fp8QuantizeArgs& a, const Ti
       qhi[i] = s.nonfinite ? kE4m3NanX4 : fp8_quad(v[i].z, v[i].w, s.r, s.r, s.r, s.r);
       const int64_t row = row0 + kRowsPerThread * rg + i;
       if constexpr (kToRows) {
+        if (dests.row_scales != nullptr) {
+          // Once per row, by x's row (scatter_row_scales moves it to the destinations).
+          if (cg == 0 && row < a.rows) dests.row_scales[row * (a.cols / kTile) + tj] = s.scale;
+          continue;
+        }
         // Every lane writes the scale of its destination entries of the row.
         const auto write = [&](int32_t dest) {
           if (dest >= 0) scales[dest * a.s_0 + tj * a.s_1] = s.scale;
@@ -511,6 +516,45 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
+// quantize_fp8_to_rows with dests.sources: scales[j * s_1 + d] = row_scales[sources[d]]'s
+// block j, one destination row a thread, so that a warp's stores of each block are
+// contiguous. kQuads: a row's blocks read 16 bytes at a time, 8 loads in flight (blocks a
+// multiple of 4; the scratch is 16-byte aligned).
+template <bool kQuads>
+__global__ void __launch_bounds__(256)
+    scatter_row_scales_kernel(const float* __restrict__ row_scales, int64_t blocks,
+                              const int32_t* __restrict__ sources, int64_t dest_rows,
+                              float* __restrict__ scales, int64_t s_1) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; d < dest_rows; d += stride) {
+    const int32_t src = __ldg(&sources[d]);
+    if (src < 0) continue;
+    const float* from = row_scales + int64_t(src) * blocks;
+    if constexpr (kQuads) {
+      constexpr int kBatch = 8;
+      for (int64_t j0 = 0; j0 < blocks; j0 += 4 * kBatch) {
+        float4 v[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (j0 + 4 * b < blocks) v[b] = __ldg(reinterpret_cast<const float4*>(from + j0) + b);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (j0 + 4 * b >= blocks) break;
+          float* to = scales + (j0 + 4 * b) * s_1 + d;
+          to[0] = v[b].x;
+          to[s_1] = v[b].y;
+          to[2 * s_1] = v[b].z;
+          to[3 * s_1] = v[b].w;
+        }
+      }
+    } else {
+#pragma unroll 4
+      for (int64_t j = 0; j < blocks; ++j) scales[j * s_1 + d] = __ldg(&from[j]);
+    }
+  }
+}
+
 // quantize_fp8_rows_and_columns: each tile of x loaded once (the next tile staged as in the
 // looping kernels above, its loads issued once the column maxima are taken, as the gathered
 // kernel does) and quantized twice from the same registers, 128-row columns into `cols`
@@ -727,6 +771,17 @@ void quantize_fp8_columns_gathered(const Fp8QuantizeArgs& a, const Fp8PaddedSour
 void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
                           cudaStream_t stream) {
   if (dests.per_row < 1) fail("dests.per_row must be at least 1");
+  const bool by_source = dests.row_scales != nullptr || dests.sources != nullptr;
+  if (by_source) {
+    if (!dests.row_scales || !dests.sources) {
+      fail("dests.sources and dests.row_scales go together");
+    }
+    if (a.s_0 != 1 || a.batches > 1) {
+      fail("dests.sources needs scales [block][row] (s_0 = 1) and one batch");
+    }
+    if (dests.dest_rows < 0) fail("negative dests.dest_rows");
+    if (!aligned16(dests.row_scales)) fail("dests.row_scales must be 16-byte aligned");
+  }
   const unsigned grid = checked_grid(Fp8Blocks::kRows1x128, a, true);
   if (grid == 0) return;
   if (dests.rows == nullptr) fail("null dests.rows");
@@ -734,6 +789,16 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   kernel<<<persistent_grid<kernel>(grid), kThreads, kStageBytes, stream>>>(
       a, row_tiles_of(a), a.cols / kTile, dests);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  if (by_source && dests.dest_rows > 0) {
+    constexpr int kScatterThreads = 256;
+    const int64_t blocks = std::min<int64_t>((dests.dest_rows + kScatterThreads - 1) / kScatterThreads,
+                                             8 * int64_t(sm_count()));
+    const auto kernel = (a.cols / kTile) % 4 == 0 ? &scatter_row_scales_kernel<true>
+                                                   : &scatter_row_scales_kernel<false>;
+    kernel<<<static_cast<unsigned>(blocks), kScatterThreads, 0, stream>>>(
+        dests.row_scales, a.cols / kTile, dests.sources, dests.dest_rows, a.scales, a.s_1);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 void copy_fp8_to_rows(const Fp8RowsCopyArgs& a, const Fp8RowDests& dests,

@@ -65,6 +65,16 @@ void quantize_fp8_rows_and_columns(const Fp8QuantizeArgs& rows, const Fp8Quantiz
 struct Fp8RowDests {
   const int32_t* rows = nullptr;
   int64_t per_row = 1;
+  // Optional, quantize_fp8_to_rows only: the scales written once per row of x, into
+  // row_scales [rows of x][cols / 128] (scratch, 16-byte aligned), and then to their rows
+  // by a second kernel that walks the destinations in order: sources[d] (d < dest_rows) is
+  // the row of x that row d copies, negative for none. Device memory, unchecked: sources
+  // must be the exact inverse of `rows` (a routing plan's row_token and slot_row are). The
+  // same bits; per_row scattered 4-byte stores of each row and block become one, and the
+  // second kernel's stores are coalesced. Needs s_0 = 1 (scales [block][row]) and one batch.
+  const int32_t* sources = nullptr;
+  int64_t dest_rows = 0;
+  float* row_scales = nullptr;
 };
 
 // kRows1x128 with every row of x written to the rows `dests` gives it: each row read and
