@@ -351,6 +351,9 @@ TEST_F(RoutingPlanGpu, Slots131072E128) {
   check_random(16384, 8, 128, 128, false, seed);
   check_random(16384, 8, 128, 64, true, seed + 1);
   check_random(16384, 8, 128, 128, false, seed + 2, {.p_none = 0.0, .p_invalid = 0.0});
+  // 129 blocks of 1024 slots: one past the hist that each scatter block scans itself, so
+  // plan_scan runs (the cases above are at that bound).
+  check_random(16512, 8, 128, 128, false, seed + 3);
 }
 
 TEST_F(RoutingPlanGpu, Slots131072E512) {

@@ -1,4 +1,6 @@
-// Routing plan on the device (contract in routing_plan.h). Three launches on the stream:
+// Routing plan on the device (contract in routing_plan.h). Three launches on the stream,
+// two when hist is small (kFusedScanEntries): then each plan_scatter block computes what
+// plan_scan would give it from the whole of hist, and block 0 writes the counts and offsets.
 //
 //  1. plan_hist:    block b counts the slots of its span [b*span, (b+1)*span) per expert
 //                   -> hist[b][e] (scratch), and its invalid ids -> bad[b].
@@ -42,6 +44,9 @@ constexpr int64_t kSmemInts = 48 * 1024 / 4;     // default dynamic shared memor
 constexpr int64_t kMaxHistEntries = 1 << 17;     // bound on blocks * E (scan cost)
 constexpr int kScanThreads = 1024;
 constexpr int kScanBatch = 16;                   // hist loads in flight per scan thread
+// Largest blocks * E for which each scatter block scans hist itself instead of plan_scan
+// (every block then reads all of hist: 8 MB from L2 at 131072 slots and 128 experts).
+constexpr int64_t kFusedScanEntries = 1 << 14;
 
 constexpr int32_t kKeyNone = -1;     // id -1: no expert
 constexpr int32_t kKeyInvalid = -2;  // id < -1 or >= E: no expert, counted
@@ -135,11 +140,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   if (tid == 0) bad[blockIdx.x] = block_bad;
 }
 
-// Exclusive scan of one value per thread over a block of kScanThreads; `total` gets the
-// sum. Starts with a barrier, so `warp_sums` may be reused by consecutive calls.
+// Exclusive scan of one value per thread over the block (a multiple of 32 threads, at most
+// 1024); `total` gets the sum. Starts with a barrier, so `warp_sums` (32 ints) may be reused
+// by consecutive calls.
 __device__ __forceinline__ int32_t block_exclusive_scan(int32_t v, int32_t* warp_sums,
                                                         int32_t& total) {
-  constexpr int kWarps = kScanThreads / 32;
+  const int kWarps = static_cast<int>(blockDim.x >> 5);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int32_t x = v;
 #pragma unroll
@@ -177,7 +183,7 @@ __global__ void __launch_bounds__(kScanThreads)
   extern __shared__ int32_t smem[];
   int32_t* partial = smem;          // [parts][E]
   int32_t* base = smem + parts * E; // [E]: counts, then expert offsets
-  __shared__ int32_t warp_sums[kScanThreads / 32];
+  __shared__ int32_t warp_sums[32];
   const int tid = threadIdx.x;
 
   int32_t nbad = 0;
@@ -262,11 +268,105 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
+// plan_scan's results for block blockIdx.x of the scatter, computed by that block itself
+// from the whole of `hist` (every block the same integers; block 0 writes the plan's counts
+// and offsets): run[e] = its first sorted row of expert e. Returns N. For a small hist
+// (kFusedScanEntries), where reading all of it per block costs less than the scan's
+// launch of one block, and E at most the block's threads. Shared memory: `total` [E] and
+// `scratch` [scan_in_block_ints(E, threads, blocks)] (dynamic, so that the kernel's other
+// launches keep their 48 KB for E up to kRoutingPlanMaxExperts).
+__host__ __device__ inline int scan_parts(int32_t E, int threads, int32_t blocks) {
+  return max(1, min(threads / E, blocks));
+}
+__host__ __device__ inline int64_t scan_in_block_ints(int32_t E, int threads, int32_t blocks) {
+  return 2 * int64_t{scan_parts(E, threads, blocks)} * E + 32;
+}
+__device__ int32_t scan_in_block(const int32_t* __restrict__ hist, const int32_t* __restrict__ bad,
+                                 int32_t blocks, int32_t E, int32_t block_m, int32_t* run,
+                                 int32_t* total, int32_t* scratch, RoutingPlan& plan) {
+  const int tid = threadIdx.x, threads = blockDim.x;
+  const int parts = scan_parts(E, threads, blocks);
+  int32_t* part_before = scratch;              // [parts][E]
+  int32_t* part_total = scratch + parts * E;   // [parts][E]
+  int32_t* warp_sums = part_total + parts * E; // [32]
+  // Per (part, expert): the counts of the blocks before this one and of all, over the
+  // part's share of the blocks; loads coalesced across experts, kScanBatch in flight.
+  for (int i = tid; i < parts * E; i += threads) {
+    const int p = i / E, e = i - p * E;
+    const int b0 = p * blocks / parts, b1 = (p + 1) * blocks / parts;
+    int32_t before = 0, all = 0;
+    for (int b = b0; b < b1; b += kScanBatch) {
+      int32_t c[kScanBatch];
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) {
+        c[u] = b + u < b1 ? __ldg(&hist[static_cast<int64_t>(b + u) * E + e]) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kScanBatch; ++u) {
+        all += c[u];
+        before += b + u < static_cast<int>(blockIdx.x) ? c[u] : 0;
+      }
+    }
+    part_before[i] = before;
+    part_total[i] = all;
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += threads) {
+    int32_t before = 0, all = 0;
+    for (int p = 0; p < parts; ++p) {
+      before += part_before[p * E + e];
+      all += part_total[p * E + e];
+    }
+    run[e] = before;
+    total[e] = all;
+  }
+  __syncthreads();
+  // Exclusive scans over experts: thread tid owns the contiguous experts [e0, e1).
+  const int per = (E + threads - 1) / threads;
+  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
+  int32_t c_sum = 0, t_sum = 0;
+  for (int e = e0; e < e1; ++e) {
+    c_sum += total[e];
+    t_sum += tiles_of(total[e], block_m);
+  }
+  int32_t c_total = 0, t_total = 0;
+  int32_t c_run = block_exclusive_scan(c_sum, warp_sums, c_total);
+  int32_t t_run = block_exclusive_scan(t_sum, warp_sums, t_total);
+  const bool writer = blockIdx.x == 0;
+  for (int e = e0; e < e1; ++e) {
+    const int32_t c = total[e];
+    run[e] += c_run;
+    if (writer) {
+      plan.expert_counts[e] = c;
+      plan.expert_offsets[e] = c_run;
+      plan.tile_offsets[e] = t_run;
+    }
+    c_run += c;
+    t_run += tiles_of(c, block_m);
+  }
+  if (writer) {
+    int32_t nbad = 0;
+    for (int b = tid; b < blocks; b += threads) nbad += bad[b];
+    int32_t total_bad = 0;
+    (void)block_exclusive_scan(nbad, warp_sums, total_bad);
+    if (tid == 0) {
+      *plan.invalid_count = total_bad;
+      plan.expert_offsets[E] = c_total;
+      plan.tile_offsets[E] = t_total;
+    }
+  }
+  __syncthreads();
+  return c_total;
+}
+
+// fused_scan: the block computes its first rows itself (scan_in_block) from hist; else
+// first_row = hist as plan_scan left it.
 template <class Id>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     plan_scatter_kernel(const Id* __restrict__ ids, int64_t n, int32_t k, int32_t E,
                         int64_t span, const int32_t* __restrict__ first_row,
-                        RoutingPlan plan) {
+                        RoutingPlan plan, bool fused_scan, const int32_t* __restrict__ bad,
+                        int32_t blocks, int32_t block_m) {
   extern __shared__ int32_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = blockDim.x >> 5;
@@ -276,14 +376,20 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 
   const int64_t begin = blockIdx.x * span;
   const int64_t end = min(n, begin + span);
+  int64_t num_valid;
+  if (fused_scan) {
+    num_valid = scan_in_block(first_row, bad, blocks, E, block_m, run, warp_rows,
+                              warp_rows + warps * E, plan);
+  } else {
+    num_valid = plan.expert_offsets[E];
+    for (int e = tid; e < E; e += blockDim.x) {
+      run[e] = first_row[static_cast<int64_t>(blockIdx.x) * E + e];
+    }
+  }
   // Rows >= N of this span: no pair lands there.
-  const int64_t num_valid = plan.expert_offsets[E];
   for (int64_t r = max(begin, num_valid) + tid; r < end; r += blockDim.x) {
     plan.row_token[r] = -1;
     plan.row_slot[r] = -1;
-  }
-  for (int e = tid; e < E; e += blockDim.x) {
-    run[e] = first_row[static_cast<int64_t>(blockIdx.x) * E + e];
   }
 
   const uint32_t lower = (1u << lane) - 1u;
@@ -352,15 +458,21 @@ void launch_plan(const Id* ids, int64_t n, int64_t k, int32_t E, int32_t block_m
                                                                              hist, bad);
     MEGAMOE_CUDA_CHECK(cudaGetLastError());
   }
-  const int parts = std::max(1, std::min(kScanThreads / E, blocks));
-  const size_t scan_smem = static_cast<size_t>(parts + 1) * E * sizeof(int32_t);
-  plan_scan_kernel<<<1, kScanThreads, scan_smem, stream>>>(hist, bad, blocks, E, parts, block_m,
-                                                           plan);
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  const bool fused_scan = blocks > 0 && c.blocks * E <= kFusedScanEntries && E <= threads;
+  if (!fused_scan) {
+    const int parts = std::max(1, std::min(kScanThreads / E, blocks));
+    const size_t scan_smem = static_cast<size_t>(parts + 1) * E * sizeof(int32_t);
+    plan_scan_kernel<<<1, kScanThreads, scan_smem, stream>>>(hist, bad, blocks, E, parts,
+                                                             block_m, plan);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  }
   if (blocks > 0) {
-    const size_t smem = static_cast<size_t>(c.warps + 1) * E * sizeof(int32_t);
+    const int64_t ints = (c.warps + 1) * int64_t{E} +
+                         (fused_scan ? scan_in_block_ints(E, threads, blocks) : 0);
+    const size_t smem = static_cast<size_t>(ints) * sizeof(int32_t);
     plan_scatter_kernel<Id><<<blocks, threads, smem, stream>>>(
-        ids, n, static_cast<int32_t>(k), E, c.span, hist, plan);
+        ids, n, static_cast<int32_t>(k), E, c.span, hist, plan, fused_scan, bad, blocks,
+        block_m);
     MEGAMOE_CUDA_CHECK(cudaGetLastError());
   }
 }
