@@ -174,6 +174,31 @@ __device__ __forceinline__ int32_t tiles_of(int32_t count, int32_t block_m) {
   return count / block_m + (count % block_m != 0);
 }
 
+// Exclusive scans over the experts of count[e] (shared memory) and of its M-tiles of
+// block_m rows, thread tid owning the contiguous experts [e0, e1): visit(e, count[e], first
+// row, first tile) for each, then c_total and t_total get the rows and tiles of all. visit
+// may overwrite count[e] (it is read first).
+template <class Visit>
+__device__ __forceinline__ void scan_experts(const int32_t* count, int32_t E, int32_t block_m,
+                                             int32_t* warp_sums, int32_t& c_total,
+                                             int32_t& t_total, const Visit& visit) {
+  const int per = (E + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int e0 = min(E, static_cast<int>(threadIdx.x) * per), e1 = min(E, e0 + per);
+  int32_t c_sum = 0, t_sum = 0;
+  for (int e = e0; e < e1; ++e) {
+    c_sum += count[e];
+    t_sum += tiles_of(count[e], block_m);
+  }
+  int32_t c_run = block_exclusive_scan(c_sum, warp_sums, c_total);
+  int32_t t_run = block_exclusive_scan(t_sum, warp_sums, t_total);
+  for (int e = e0; e < e1; ++e) {
+    const int32_t c = count[e];
+    visit(e, c, c_run, t_run);
+    c_run += c;
+    t_run += tiles_of(c, block_m);
+  }
+}
+
 // One block. `parts` splits the blocks of each expert column among threads:
 // thread work item i = (part p, expert e) covers hist rows [p*blocks/parts, (p+1)*blocks/parts).
 __global__ void __launch_bounds__(kScanThreads)
@@ -222,25 +247,14 @@ __global__ void __launch_bounds__(kScanThreads)
     plan.expert_counts[e] = s;
   }
   __syncthreads();
-  // 3. Exclusive scans over experts: thread tid owns the contiguous experts [e0, e1).
-  const int per = (E + kScanThreads - 1) / kScanThreads;
-  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
-  int32_t c_sum = 0, t_sum = 0;
-  for (int e = e0; e < e1; ++e) {
-    c_sum += base[e];
-    t_sum += tiles_of(base[e], block_m);
-  }
+  // 3. Exclusive scans over experts.
   int32_t c_total = 0, t_total = 0;
-  int32_t c_run = block_exclusive_scan(c_sum, warp_sums, c_total);
-  int32_t t_run = block_exclusive_scan(t_sum, warp_sums, t_total);
-  for (int e = e0; e < e1; ++e) {
-    const int32_t c = base[e];
-    plan.expert_offsets[e] = c_run;
-    plan.tile_offsets[e] = t_run;
-    base[e] = c_run;
-    c_run += c;
-    t_run += tiles_of(c, block_m);
-  }
+  scan_experts(base, E, block_m, warp_sums, c_total, t_total,
+               [&](int e, int32_t, int32_t first_row, int32_t first_tile) {
+                 plan.expert_offsets[e] = first_row;
+                 plan.tile_offsets[e] = first_tile;
+                 base[e] = first_row;
+               });
   if (tid == 0) {
     plan.expert_offsets[E] = c_total;
     plan.tile_offsets[E] = t_total;
@@ -321,29 +335,17 @@ __device__ int32_t scan_in_block(const int32_t* __restrict__ hist, const int32_t
     total[e] = all;
   }
   __syncthreads();
-  // Exclusive scans over experts: thread tid owns the contiguous experts [e0, e1).
-  const int per = (E + threads - 1) / threads;
-  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
-  int32_t c_sum = 0, t_sum = 0;
-  for (int e = e0; e < e1; ++e) {
-    c_sum += total[e];
-    t_sum += tiles_of(total[e], block_m);
-  }
   int32_t c_total = 0, t_total = 0;
-  int32_t c_run = block_exclusive_scan(c_sum, warp_sums, c_total);
-  int32_t t_run = block_exclusive_scan(t_sum, warp_sums, t_total);
   const bool writer = blockIdx.x == 0;
-  for (int e = e0; e < e1; ++e) {
-    const int32_t c = total[e];
-    run[e] += c_run;
-    if (writer) {
-      plan.expert_counts[e] = c;
-      plan.expert_offsets[e] = c_run;
-      plan.tile_offsets[e] = t_run;
-    }
-    c_run += c;
-    t_run += tiles_of(c, block_m);
-  }
+  scan_experts(total, E, block_m, warp_sums, c_total, t_total,
+               [&](int e, int32_t count, int32_t first_row, int32_t first_tile) {
+                 run[e] += first_row;
+                 if (writer) {
+                   plan.expert_counts[e] = count;
+                   plan.expert_offsets[e] = first_row;
+                   plan.tile_offsets[e] = first_tile;
+                 }
+               });
   if (writer) {
     int32_t nbad = 0;
     for (int b = tid; b < blocks; b += threads) nbad += bad[b];
