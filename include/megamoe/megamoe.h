@@ -238,8 +238,9 @@ MEGAMOE_API megamoe_status megamoe_fused_backward(
  * recompute L1 in FP8). The results are bitwise reproducible run to run; no host sync; capturable.
  * Workspace: besides the bf16 layer's buffers, the e4m3 copies and scales of the GEMMs'
  * A operands. x and dy are quantized into the T*k expert-sorted rows (T*k*H bytes and
- * H/128 * ceil4(T*k) fp32 scales), in the bytes of a bf16 row buffer that the call writes
- * only after reading them (docs/fp8.md, "Workspace"). The environment variable
+ * H/128 * ceil4(T*k) fp32 scales, with T * H/128 fp32 scratch for the scales by token), in
+ * the bytes of a bf16 row buffer that the call writes only after reading them (docs/fp8.md,
+ * "Workspace"). The environment variable
  * MEGAMOE_FP8_GATHER_A=1, read on every call, makes the GEMMs gather x's and dy's rows from
  * token-matrix copies instead (a diagnostic for the GPU; the same bits but for d_topk_weights,
  * which may differ by fp32 rounding; the same workspace).
