@@ -428,6 +428,10 @@ TEST(QuantizeFp8SortedRowsErrors, NeedsDestinations) {
   expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
                  "negative dests.dest_rows");
   by_source.dest_rows = 2;
+  a.cols = 256;  // two blocks a row, s_1 = 0: the blocks' scales of the 2 rows would overlap
+  expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
+                 "dests.dest_rows must be at most s_1");
+  a.cols = 128;
   by_source.row_scales = scratch + 1;
   expect_invalid([&] { megamoe::quantize_fp8_to_rows(a, by_source, nullptr); },
                  "dests.row_scales must be 16-byte aligned");

@@ -780,6 +780,9 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
       fail("dests.sources needs scales [block][row] (s_0 = 1) and one batch");
     }
     if (dests.dest_rows < 0) fail("negative dests.dest_rows");
+    if (a.cols > kTile && dests.dest_rows > a.s_1) {
+      fail("dests.dest_rows must be at most s_1, the scales' stride between blocks");
+    }
     if (!aligned16(dests.row_scales)) fail("dests.row_scales must be 16-byte aligned");
   }
   const unsigned grid = checked_grid(Fp8Blocks::kRows1x128, a, true);
@@ -791,8 +794,8 @@ void quantize_fp8_to_rows(const Fp8QuantizeArgs& a, const Fp8RowDests& dests,
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
   if (by_source && dests.dest_rows > 0) {
     constexpr int kScatterThreads = 256;
-    const int64_t blocks = std::min<int64_t>((dests.dest_rows + kScatterThreads - 1) / kScatterThreads,
-                                             8 * int64_t(sm_count()));
+    const int64_t blocks = std::min<int64_t>(
+        (dests.dest_rows + kScatterThreads - 1) / kScatterThreads, 8 * int64_t(sm_count()));
     const auto kernel = (a.cols / kTile) % 4 == 0 ? &scatter_row_scales_kernel<true>
                                                    : &scatter_row_scales_kernel<false>;
     kernel<<<static_cast<unsigned>(blocks), kScatterThreads, 0, stream>>>(
