@@ -174,6 +174,39 @@ __device__ __forceinline__ int32_t tiles_of(int32_t count, int32_t block_m) {
   return count / block_m + (count % block_m != 0);
 }
 
+// How many contiguous shares of the blocks each hist column is summed in by `threads`
+// threads, one (share, expert) a thread (plan_scan and scan_in_block).
+__host__ __device__ inline int scan_parts(int32_t E, int threads, int32_t blocks) {
+  return max(1, min(threads / E, blocks));
+}
+
+// Column e of hist summed over part p's share of the blocks (the parts split [0, blocks)
+// into contiguous shares): `all` over the share, `before` over its blocks below `below`.
+// kScanBatch loads in flight; a warp's loads are coalesced across experts.
+struct ColumnSums {
+  int32_t before, all;
+};
+__device__ __forceinline__ ColumnSums sum_hist_column(const int32_t* hist, int32_t E, int e,
+                                                      int32_t blocks, int p, int parts,
+                                                      int below) {
+  const int b0 = static_cast<int>(int64_t{p} * blocks / parts);
+  const int b1 = static_cast<int>(int64_t{p + 1} * blocks / parts);
+  ColumnSums sums{0, 0};
+  for (int b = b0; b < b1; b += kScanBatch) {
+    int32_t c[kScanBatch];
+#pragma unroll
+    for (int u = 0; u < kScanBatch; ++u) {
+      c[u] = b + u < b1 ? hist[static_cast<int64_t>(b + u) * E + e] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kScanBatch; ++u) {
+      sums.all += c[u];
+      sums.before += b + u < below ? c[u] : 0;
+    }
+  }
+  return sums;
+}
+
 // Exclusive scans over the experts of count[e] (shared memory) and of its M-tiles of
 // block_m rows, thread tid owning the contiguous experts [e0, e1): visit(e, count[e], first
 // row, first tile) for each, then c_total and t_total get the rows and tiles of all. visit
@@ -217,22 +250,10 @@ __global__ void __launch_bounds__(kScanThreads)
   (void)block_exclusive_scan(nbad, warp_sums, total_bad);
   if (tid == 0) *plan.invalid_count = total_bad;
 
-  // 1. Partial sums per (part, expert); loads coalesced across experts.
+  // 1. Partial sums per (part, expert).
   for (int i = tid; i < parts * E; i += kScanThreads) {
     const int p = i / E, e = i - p * E;
-    const int b0 = static_cast<int>(int64_t{p} * blocks / parts);
-    const int b1 = static_cast<int>(int64_t{p + 1} * blocks / parts);
-    int32_t s = 0;
-    for (int b = b0; b < b1; b += kScanBatch) {
-      int32_t c[kScanBatch];
-#pragma unroll
-      for (int u = 0; u < kScanBatch; ++u) {
-        c[u] = b + u < b1 ? hist[static_cast<int64_t>(b + u) * E + e] : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < kScanBatch; ++u) s += c[u];
-    }
-    partial[i] = s;
+    partial[i] = sum_hist_column(hist, E, e, blocks, p, parts, 0).all;
   }
   __syncthreads();
   // 2. Exclusive scan over parts per expert; the totals are the counts.
@@ -289,9 +310,6 @@ __global__ void __launch_bounds__(kScanThreads)
 // launch of one block, and E at most the block's threads. Shared memory: `total` [E] and
 // `scratch` [scan_in_block_ints(E, threads, blocks)] (dynamic, so that the kernel's other
 // launches keep their 48 KB for E up to kRoutingPlanMaxExperts).
-__host__ __device__ inline int scan_parts(int32_t E, int threads, int32_t blocks) {
-  return max(1, min(threads / E, blocks));
-}
 __host__ __device__ inline int64_t scan_in_block_ints(int32_t E, int threads, int32_t blocks) {
   return 2 * int64_t{scan_parts(E, threads, blocks)} * E + 32;
 }
@@ -303,26 +321,12 @@ __device__ int32_t scan_in_block(const int32_t* __restrict__ hist, const int32_t
   int32_t* part_before = scratch;              // [parts][E]
   int32_t* part_total = scratch + parts * E;   // [parts][E]
   int32_t* warp_sums = part_total + parts * E; // [32]
-  // Per (part, expert): the counts of the blocks before this one and of all, over the
-  // part's share of the blocks; loads coalesced across experts, kScanBatch in flight.
+  // Per (part, expert): the counts of the blocks before this one and of all.
   for (int i = tid; i < parts * E; i += threads) {
     const int p = i / E, e = i - p * E;
-    const int b0 = p * blocks / parts, b1 = (p + 1) * blocks / parts;
-    int32_t before = 0, all = 0;
-    for (int b = b0; b < b1; b += kScanBatch) {
-      int32_t c[kScanBatch];
-#pragma unroll
-      for (int u = 0; u < kScanBatch; ++u) {
-        c[u] = b + u < b1 ? __ldg(&hist[static_cast<int64_t>(b + u) * E + e]) : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < kScanBatch; ++u) {
-        all += c[u];
-        before += b + u < static_cast<int>(blockIdx.x) ? c[u] : 0;
-      }
-    }
-    part_before[i] = before;
-    part_total[i] = all;
+    const ColumnSums sums = sum_hist_column(hist, E, e, blocks, p, parts, blockIdx.x);
+    part_before[i] = sums.before;
+    part_total[i] = sums.all;
   }
   __syncthreads();
   for (int e = tid; e < E; e += threads) {
@@ -462,7 +466,7 @@ void launch_plan(const Id* ids, int64_t n, int64_t k, int32_t E, int32_t block_m
   }
   const bool fused_scan = blocks > 0 && c.blocks * E <= kFusedScanEntries && E <= threads;
   if (!fused_scan) {
-    const int parts = std::max(1, std::min(kScanThreads / E, blocks));
+    const int parts = scan_parts(E, kScanThreads, blocks);
     const size_t scan_smem = static_cast<size_t>(parts + 1) * E * sizeof(int32_t);
     plan_scan_kernel<<<1, kScanThreads, scan_smem, stream>>>(hist, bad, blocks, E, parts,
                                                              block_m, plan);
