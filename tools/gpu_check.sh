@@ -69,12 +69,22 @@ if command -v compute-sanitizer >/dev/null; then
       tests/python/test_fused_backward.py -k "extra0 or extra1 or extra5"
   done
 fi
-# Shared-memory races of the tile-passing GEMMs (the producer rewrites each stage's tile slot),
-# with many tiles a block (few SMs) and one.
+# Shared-memory races of the GEMMs on few SMs (the ring's stages and the passed tile's slot
+# reused across many tiles a block) and of the tile-passing ones. With the racecheck build in
+# build-rc/ (README, "On the GPU machine") every few-SM case; without it, the gathering FP8
+# GEMM's few-SM case is left out: its consumers' reads of a stage's A scales are ordered
+# before the next fill through their warp's first lane, an order racecheck does not follow.
 if command -v compute-sanitizer >/dev/null; then
-  step "compute-sanitizer racecheck (tile-passing GEMMs)" sanitizer-racecheck-gemm.log timeout 300 \
-    compute-sanitizer --tool racecheck --error-exitcode 1 build/tests/cpp/megamoe_tests \
-    --gtest_filter='*FewSms*Asorted*:*FewSms*Apadded*:*Asorted_Csorted*'
+  if [ -x build-rc/tests/cpp/megamoe_tests ]; then
+    step "compute-sanitizer racecheck (GEMMs, racecheck build)" sanitizer-racecheck-gemm.log \
+      timeout 300 env LD_LIBRARY_PATH="$repo/build-rc" compute-sanitizer --tool racecheck \
+      --error-exitcode 1 build-rc/tests/cpp/megamoe_tests --gtest_filter='*FewSms*:*Asorted_Csorted*'
+  else
+    echo "   (no build-rc/: racecheck of the GEMMs on the normal build, few-SM gathering cases left out)" >&2
+    step "compute-sanitizer racecheck (tile-passing GEMMs)" sanitizer-racecheck-gemm.log timeout 300 \
+      compute-sanitizer --tool racecheck --error-exitcode 1 build/tests/cpp/megamoe_tests \
+      --gtest_filter='*FewSms*Asorted*:*FewSms*Apadded*:*Asorted_Csorted*'
+  fi
 fi
 # Memory errors and races of the FP8 quantizers (their shared-memory transpose included), and
 # their speed against memory bandwidth beside the torch fp8 baseline's compiled casts.

@@ -11,6 +11,13 @@ namespace megamoe::sm90 {
 constexpr int kBlockM = 128;  // rows of a tile: 64 for each consumer warpgroup
 constexpr int kThreads = 384;  // warpgroup 0 produces, warpgroups 1 and 2 consume
 constexpr int kMaxSharedBytes = 227 * 1024;  // dynamic shared memory a block may have
+// A racecheck build (CMake option MEGAMOE_RACECHECK_ARRIVALS): the pipeline's consumers
+// arrive thread by thread where they otherwise arrive warp by warp (mainloop_fp8.cuh).
+#ifdef MEGAMOE_RACECHECK_ARRIVALS
+constexpr bool kRacecheckArrivals = true;
+#else
+constexpr bool kRacecheckArrivals = false;
+#endif
 constexpr int kStoreBoxCols = 64;  // epilogue TMA boxes: 64 rows x 64 bf16 (128 B)
 constexpr int kStoreBoxBytes = 64 * kStoreBoxCols * 2;
 

@@ -60,7 +60,12 @@ struct MainloopFp8 {
   static constexpr int kAccumulators = kBlockN / 2;
   static constexpr int kPartials = 64;  // one 128-column group's scratch
   static constexpr int kExtraTmaBytes = 0;
-  static constexpr int kConsumerArrivals = 4;
+  // Each warp's first lane hands the stage back for its warp; in a racecheck build
+  // (MEGAMOE_RACECHECK_ARRIVALS, a CMake option) every consumer thread does, because
+  // racecheck orders a thread's reads of the stage (the A scales) before the stage's next
+  // fill only through that thread's own arrival, not through __syncwarp
+  // (tools/racecheck_probe.cu).
+  static constexpr int kConsumerArrivals = kRacecheckArrivals ? 128 : 4;
   // Narrow: 128 accumulators per consumer thread (sums and scratch) leave room to give the
   // producer more (its row gather also copies the rows' scales). Wide: 192 (128 sums, 64
   // scratch); its A comes by TMA, so the producer's one thread needs few.
@@ -231,7 +236,7 @@ struct MainloopFp8 {
                                                  bool warp_leader) {
     __threadfence_block();
     __syncwarp();
-    if (warp_leader) mbarrier_arrive(&pipe.empty[state.stage]);
+    if (kRacecheckArrivals || warp_leader) mbarrier_arrive(&pipe.empty[state.stage]);
   }
 
  private:
