@@ -180,6 +180,21 @@ __host__ __device__ inline int scan_parts(int32_t E, int threads, int32_t blocks
   return max(1, min(threads / E, blocks));
 }
 
+// The first block of part p of the `parts` contiguous shares of [0, blocks).
+__device__ __forceinline__ int part_first_block(int p, int32_t blocks, int parts) {
+  return static_cast<int>(int64_t{p} * blocks / parts);
+}
+
+// Column e of hist at blocks b .. b + kScanBatch - 1, 0 from block b1 on: all of the batch's
+// loads in flight before any is used.
+__device__ __forceinline__ void load_hist_batch(const int32_t* hist, int32_t E, int e, int b,
+                                                int b1, int32_t (&c)[kScanBatch]) {
+#pragma unroll
+  for (int u = 0; u < kScanBatch; ++u) {
+    c[u] = b + u < b1 ? hist[static_cast<int64_t>(b + u) * E + e] : 0;
+  }
+}
+
 // Column e of hist summed over part p's share of the blocks (the parts split [0, blocks)
 // into contiguous shares): `all` over the share, `before` over its blocks below `below`.
 // kScanBatch loads in flight; a warp's loads are coalesced across experts.
@@ -189,15 +204,11 @@ struct ColumnSums {
 __device__ __forceinline__ ColumnSums sum_hist_column(const int32_t* hist, int32_t E, int e,
                                                       int32_t blocks, int p, int parts,
                                                       int below) {
-  const int b0 = static_cast<int>(int64_t{p} * blocks / parts);
-  const int b1 = static_cast<int>(int64_t{p + 1} * blocks / parts);
+  const int b1 = part_first_block(p + 1, blocks, parts);
   ColumnSums sums{0, 0};
-  for (int b = b0; b < b1; b += kScanBatch) {
+  for (int b = part_first_block(p, blocks, parts); b < b1; b += kScanBatch) {
     int32_t c[kScanBatch];
-#pragma unroll
-    for (int u = 0; u < kScanBatch; ++u) {
-      c[u] = b + u < b1 ? hist[static_cast<int64_t>(b + u) * E + e] : 0;
-    }
+    load_hist_batch(hist, E, e, b, b1, c);
 #pragma unroll
     for (int u = 0; u < kScanBatch; ++u) {
       sums.all += c[u];
@@ -284,16 +295,12 @@ __global__ void __launch_bounds__(kScanThreads)
   // 4. In place: hist[b][e] <- first sorted row of expert e owned by block b.
   for (int i = tid; i < parts * E; i += kScanThreads) {
     const int p = i / E, e = i - p * E;
-    const int b0 = static_cast<int>(int64_t{p} * blocks / parts);
-    const int b1 = static_cast<int>(int64_t{p + 1} * blocks / parts);
+    const int b1 = part_first_block(p + 1, blocks, parts);
     int32_t s = base[e] + partial[i];
-    for (int b = b0; b < b1; b += kScanBatch) {
+    for (int b = part_first_block(p, blocks, parts); b < b1; b += kScanBatch) {
       // All loads of the batch before its stores: the compiler cannot tell the rows apart.
       int32_t c[kScanBatch];
-#pragma unroll
-      for (int u = 0; u < kScanBatch; ++u) {
-        c[u] = b + u < b1 ? hist[static_cast<int64_t>(b + u) * E + e] : 0;
-      }
+      load_hist_batch(hist, E, e, b, b1, c);
 #pragma unroll
       for (int u = 0; u < kScanBatch; ++u) {
         if (b + u < b1) hist[static_cast<int64_t>(b + u) * E + e] = s;
