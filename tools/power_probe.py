@@ -9,6 +9,12 @@ first 5 calls, the median of the last half, and the SM clock, power and power-ca
 nvidia-smi reported during the last half. The bench's "% of peak" uses a short matmul run
 (10 calls, about 15 ms), which the power cap does not reach; the sustained matmul here is the
 roofline a long layer run actually has.
+
+    python tools/power_probe.py --training --seconds 3 --out clocks.csv
+
+With --training the workloads are the fused layer's training calls (forward and backward,
+saved mode) at bf16, fp8_bwd and fp8 on both presets, each timed per phase: the same bf16
+forward kernels then show what the backward run between them does to the clock they get.
 """
 
 import argparse
@@ -70,15 +76,93 @@ def run_for(fn, seconds: float) -> tuple[list[float], float, float]:
     return [s.elapsed_time(e) for s, e in marks], t0 + (t1 - t0) / 2, t1
 
 
+def run_training_for(forward, backward, seconds: float):
+    """Training calls back to back for `seconds`; returns per-call forward and backward ms
+    and the wall window of the last half (unix times)."""
+    marks = []
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        y = forward()
+        mid.record()
+        backward(y)
+        end.record()
+        marks.append((start, mid, end))
+        if len(marks) % 4 == 0:
+            marks[-4][2].synchronize()  # keep the CPU at most a few calls ahead
+    torch.cuda.synchronize()
+    t1 = time.time()
+    return ([s.elapsed_time(m) for s, m, _ in marks], [m.elapsed_time(e) for _, m, e in marks],
+            t0 + (t1 - t0) / 2, t1)
+
+
+def training_workloads(tokens: int):
+    """(name, forward, backward) of the fused layer's training calls, saved mode."""
+    workloads = []
+    for model in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
+        x, ids, w, wgu, wd, dy = layer_inputs(get_preset(model), tokens)
+        for precision in ("bf16", "fp8_bwd", "fp8"):
+            def forward(x=x, ids=ids, w=w, wgu=wgu, wd=wd, precision=precision):
+                return megamoe.moe(x, ids, w, wgu, wd, backend="fused", precision=precision,
+                                   backward_mode="saved", check_ids=False)
+
+            def backward(y, dy=dy, params=(x, w, wgu, wd)):
+                y.backward(dy)
+                for t in params:
+                    t.grad = None
+            workloads.append((f"{model} {precision} training", forward, backward))
+    return workloads
+
+
+def window_means(samples, start: float, end: float) -> tuple[float, float, float]:
+    """Mean SM MHz, mean watts and the share of samples with the power cap active."""
+    window = [s for s in samples if start <= s[0] <= end]
+    if not window:
+        return float("nan"), float("nan"), float("nan")
+    return (statistics.mean(s[1] for s in window), statistics.mean(s[2] for s in window),
+            sum(1 for s in window if "Active" in s[3]) / len(window))
+
+
+def probe_training(args, sampler) -> int:
+    results = []
+    for name, forward, backward in training_workloads(args.tokens):
+        for _ in range(3):
+            backward(forward())
+        torch.cuda.synchronize()
+        time.sleep(args.pause)
+        fwd, bwd, half_start, end = run_training_for(forward, backward, args.seconds)
+        results.append((name, fwd, bwd, half_start, end))
+        print(f"[power_probe] {name}: {len(fwd)} calls", file=sys.stderr, flush=True)
+    time.sleep(0.3)
+    sampler.terminate()
+    sampler.wait()
+    samples = read_samples(args.out)
+    print(f"{'workload':36s} {'first fwd':>9s} {'sust. fwd':>9s} {'first bwd':>9s} "
+          f"{'sust. bwd':>9s} {'SM MHz':>7s} {'W':>5s} {'pwr cap':>8s}   (ms)")
+    for name, fwd, bwd, half_start, end in results:
+        half = len(fwd) // 2
+        mhz, watts, capped = window_means(samples, half_start, end)
+        print(f"{name:36s} {statistics.median(fwd[:5]):9.3f} {statistics.median(fwd[half:]):9.3f} "
+              f"{statistics.median(bwd[:5]):9.3f} {statistics.median(bwd[half:]):9.3f} "
+              f"{mhz:7.0f} {watts:5.0f} {capped:8.0%}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--pause", type=float, default=2.0, help="idle seconds before each workload")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--out", default="power_probe_clocks.csv")
+    parser.add_argument("--training", action="store_true",
+                        help="the fused layer's training calls (bf16, fp8_bwd, fp8; saved mode) "
+                             "instead of forwards and the matmul")
     args = parser.parse_args()
     gpu = torch.cuda.current_device()
     sampler = start_sampler(args.out, 50, gpu)
+    if args.training:
+        return probe_training(args, sampler)
 
     size = 8192
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -114,10 +198,7 @@ def main() -> int:
     for name, flops, times, half_start, end in results:
         first = statistics.median(times[:5])
         sustained = statistics.median(times[len(times) // 2:])
-        window = [s for s in samples if half_start <= s[0] <= end]
-        mhz = statistics.mean(s[1] for s in window) if window else float("nan")
-        watts = statistics.mean(s[2] for s in window) if window else float("nan")
-        capped = sum(1 for s in window if "Active" in s[3]) / len(window) if window else float("nan")
+        mhz, watts, capped = window_means(samples, half_start, end)
         print(f"{name:34s} {first:10.3f} {sustained:12.3f} {flops / first / 1e9:13.1f} "
               f"{flops / sustained / 1e9:13.1f} {mhz:7.0f} {watts:5.0f} {capped:8.0%}")
     return 0
