@@ -18,44 +18,22 @@ forward kernels then show what the backward run between them does to the clock t
 """
 
 import argparse
-import csv
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 import megamoe
+from megamoe._clocks import ClockSampler, gpu_selector, window_means
 from megamoe.presets import get_preset
 
 from layer_inputs import layer_inputs
 
-SMI_FIELDS = ["timestamp", "clocks.sm", "power.draw", "temperature.gpu",
-              "clocks_event_reasons.sw_power_cap", "clocks_event_reasons.hw_slowdown"]
-
-
-def start_sampler(path: str, period_ms: int, gpu: int):
-    query = ",".join(SMI_FIELDS)
-    return subprocess.Popen(["nvidia-smi", "-i", str(gpu), f"--query-gpu={query}",
-                             "--format=csv,noheader,nounits", f"-lms={period_ms}"],
-                            stdout=open(path, "w"), stderr=subprocess.DEVNULL)
-
-
-def read_samples(path: str) -> list[tuple[float, float, float, str]]:
-    """(unix time, SM MHz, watts, sw power cap flag) per sample."""
-    samples = []
-    with open(path) as f:
-        for row in csv.reader(f):
-            if len(row) < 5:
-                continue
-            try:
-                stamp = time.mktime(time.strptime(row[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
-                stamp += float("0." + row[0].strip().split(".")[1]) if "." in row[0] else 0.0
-                samples.append((stamp, float(row[1]), float(row[2]), row[4].strip()))
-            except ValueError:
-                continue
-    return samples
+def clock_means(samples, start: float, end: float) -> tuple[float, float, float]:
+    """Mean SM MHz, watts and power-capped share over a window; nan where no sample fell."""
+    means = window_means(samples, start, end)
+    return means if means is not None else (float("nan"),) * 3
 
 
 def run_for(fn, seconds: float) -> tuple[list[float], float, float]:
@@ -115,15 +93,6 @@ def training_workloads(tokens: int):
     return workloads
 
 
-def window_means(samples, start: float, end: float) -> tuple[float, float, float]:
-    """Mean SM MHz, mean watts and the share of samples with the power cap active."""
-    window = [s for s in samples if start <= s[0] <= end]
-    if not window:
-        return float("nan"), float("nan"), float("nan")
-    return (statistics.mean(s[1] for s in window), statistics.mean(s[2] for s in window),
-            sum(1 for s in window if "Active" in s[3]) / len(window))
-
-
 def probe_training(args, sampler) -> int:
     results = []
     for name, forward, backward in training_workloads(args.tokens):
@@ -135,14 +104,12 @@ def probe_training(args, sampler) -> int:
         results.append((name, fwd, bwd, half_start, end))
         print(f"[power_probe] {name}: {len(fwd)} calls", file=sys.stderr, flush=True)
     time.sleep(0.3)
-    sampler.terminate()
-    sampler.wait()
-    samples = read_samples(args.out)
+    samples = sampler.close()
     print(f"{'workload':36s} {'first fwd':>9s} {'sust. fwd':>9s} {'first bwd':>9s} "
           f"{'sust. bwd':>9s} {'SM MHz':>7s} {'W':>5s} {'pwr cap':>8s}   (ms)")
     for name, fwd, bwd, half_start, end in results:
         half = len(fwd) // 2
-        mhz, watts, capped = window_means(samples, half_start, end)
+        mhz, watts, capped = clock_means(samples, half_start, end)
         print(f"{name:36s} {statistics.median(fwd[:5]):9.3f} {statistics.median(fwd[half:]):9.3f} "
               f"{statistics.median(bwd[:5]):9.3f} {statistics.median(bwd[half:]):9.3f} "
               f"{mhz:7.0f} {watts:5.0f} {capped:8.0%}")
@@ -159,8 +126,9 @@ def main() -> int:
                         help="the fused layer's training calls (bf16, fp8_bwd, fp8; saved mode) "
                              "instead of forwards and the matmul")
     args = parser.parse_args()
-    gpu = torch.cuda.current_device()
-    sampler = start_sampler(args.out, 50, gpu)
+    sampler = ClockSampler(gpu_selector(torch.cuda.current_device()), 50, args.out)
+    if not sampler.available:
+        print("power_probe: nvidia-smi not found; no clock or power samples", file=sys.stderr)
     if args.training:
         return probe_training(args, sampler)
 
@@ -189,16 +157,14 @@ def main() -> int:
         results.append((name, flops, times, half_start, end))
         print(f"[power_probe] {name}: {len(times)} calls", file=sys.stderr, flush=True)
     time.sleep(0.3)
-    sampler.terminate()
-    sampler.wait()
-    samples = read_samples(args.out)
+    samples = sampler.close()
 
     print(f"{'workload':34s} {'first 5 ms':>10s} {'sustained ms':>12s} {'first TFLOP/s':>13s} "
           f"{'sust. TFLOP/s':>13s} {'SM MHz':>7s} {'W':>5s} {'pwr cap':>8s}")
     for name, flops, times, half_start, end in results:
         first = statistics.median(times[:5])
         sustained = statistics.median(times[len(times) // 2:])
-        mhz, watts, capped = window_means(samples, half_start, end)
+        mhz, watts, capped = clock_means(samples, half_start, end)
         print(f"{name:34s} {first:10.3f} {sustained:12.3f} {flops / first / 1e9:13.1f} "
               f"{flops / sustained / 1e9:13.1f} {mhz:7.0f} {watts:5.0f} {capped:8.0%}")
     return 0

@@ -15,7 +15,9 @@ Two GEMM peaks are measured: the short one (10 matmuls, ~15 ms, run at boost clo
 median of the second half) that "% sust." uses. An H200 running GEMMs for more than a few
 tens of milliseconds reaches its 700 W power cap and lowers its SM clock (about 1.98 ->
 1.45 GHz); the timed layers run that long, so the sustained peak is the roofline they
-actually have (bench/results/PERFLOG.md, "power cap").
+actually have (bench/results/PERFLOG.md, "power cap"). Each row also records the mean SM
+clock and board power nvidia-smi reported during its timed iterations: under the cap the
+clock depends on what runs, so rows of different precisions run at different clocks.
 
 Without a GPU (or with --cpu) it runs the C++ CPU reference at the "tiny" preset: a smoke
 test of the pipeline, not a benchmark.
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 import megamoe
+from megamoe._clocks import ClockSampler, gpu_selector, window_means
 from megamoe._validate import PRECISIONS
 from megamoe._fused_op import BACKWARD_MODES as FUSED_BACKWARD_MODES
 from megamoe.presets import PRESETS, MoEShape, get_preset
@@ -375,11 +378,12 @@ def time_forward(call, weights, input_sets, iterations: int, clock) -> tuple[lis
 
 def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, clock,
                       forward_only: bool = False, backward_mode: str | None = None,
-                      precision: str = "bf16"):
+                      precision: str = "bf16", window: list | None = None):
     """(fwd median ms, bwd median ms) over args.iters timed iterations; with EP, the max
     over ranks of each rank's medians (the slowest rank sets the step time). With
     forward_only, the forward runs under torch.no_grad() and bwd is None. backward_mode:
-    the fused backend's (passed to megamoe.moe)."""
+    the fused backend's (passed to megamoe.moe). window: gets the timed iterations' wall
+    times (unix start, end) appended, for the clock samples."""
     w_gate_up, w_down = weights
     extra = {} if backward_mode is None else {"backward_mode": backward_mode}
     buffer = None
@@ -403,7 +407,10 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
         timer(call, weights, input_sets, args.warmup, clock)
         if run.group is not None:
             torch.distributed.barrier()
+        began = time.time()
         forward_ms, backward_ms = timer(call, weights, input_sets, args.iters, clock)
+        if window is not None:
+            window.append((began, time.time()))
         if buffer is not None:
             buffer.check()
     finally:
@@ -435,7 +442,7 @@ def make_row(shape: MoEShape, num_tokens: int, backend: str, args, dtype,
         "fwd_tflops": None, "pct_of_peak": None, "pct_of_sustained_peak": None,
         "speedup_fwd_vs_torch": None, "speedup_full_vs_torch": None,
         "speedup_fwd_vs_bf16": None, "speedup_bwd_vs_bf16": None, "speedup_fwd_bwd_vs_bf16": None,
-        "status": "ok", "note": None,
+        "sm_mhz": None, "power_w": None, "status": "ok", "note": None,
     }
 
 
@@ -484,8 +491,9 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, clock,
-                     peak_tflops) -> list[dict]:
-    """One row per backend; the backends share the weights and input sets."""
+                     peak_tflops, windows: list | None = None) -> list[dict]:
+    """One row per backend; the backends share the weights and input sets. windows: gets
+    (row, unix start, end) of each row's timed iterations appended."""
     dtype = torch.bfloat16 if run.is_cuda else torch.float32
     generator = torch.Generator(device=run.device).manual_seed(args.seed + run.rank)
     experts_local = shape.E // run.world_size
@@ -503,16 +511,19 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
         elif run.world_size > 1 and backend not in EP_BACKENDS:
             row["status"] = f"skipped: backend {backend!r} takes no expert-parallel group"
         else:
+            window = []
             try:
                 fwd_ms, bwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
-                                                   backward_mode=fused_mode, precision=precision)
+                                                   backward_mode=fused_mode, precision=precision,
+                                                   window=window)
                 fill_timings(row, shape, fwd_ms, bwd_ms, peak_tflops)
             except NotImplementedError as error:  # megamoe.NotBuiltError included
                 # A backend whose backward is not built yet still has a forward to time.
                 try:
+                    window.clear()
                     fwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
                                                forward_only=True, backward_mode=fused_mode,
-                                               precision=precision)[0]
+                                               precision=precision, window=window)[0]
                     fill_timings(row, shape, fwd_ms, None, peak_tflops)
                     row["status"] = "forward only"
                     row["backward_mode"] = None
@@ -522,6 +533,8 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
             except megamoe.MegaMoEError as error:
                 # A shape or dtype this backend does not take (e.g. fused at the tiny preset).
                 row["status"] = f"skipped: {error}"
+            if windows is not None and window and row["fwd_ms"] is not None:
+                windows.append((row, *window[-1]))
         progress(run, f"{label}: " + (
             row["status"] if row["fwd_ms"] is None else
             f"fwd {row['fwd_ms']:.3f} ms" + ("" if row["bwd_ms"] is None else f", bwd {row['bwd_ms']:.3f} ms")))
@@ -587,10 +600,19 @@ def run_benchmark(args, run: RunContext, argv: list[str]) -> dict:
                         fp8_peaks[key] = -_max_over_ranks([-fp8_peaks[key]], run)[0]
         torch.cuda.empty_cache()
 
-    rows = []
-    for shape in args.shapes:
-        for num_tokens in args.tokens:
-            rows += benchmark_config(shape, num_tokens, args, run, clock, peak_tflops)
+    rows, windows = [], []
+    # Each row's mean SM clock and power over its timed iterations (this rank's GPU).
+    sampler = ClockSampler(gpu_selector(run.device)) if run.is_cuda else None
+    try:
+        for shape in args.shapes:
+            for num_tokens in args.tokens:
+                rows += benchmark_config(shape, num_tokens, args, run, clock, peak_tflops, windows)
+    finally:
+        samples = sampler.close() if sampler is not None else []
+    for row, began, ended in windows:
+        means = window_means(samples, began, ended)
+        if means is not None:
+            row["sm_mhz"], row["power_w"] = round(means[0]), round(means[1], 1)
     for row in rows:
         # A forward in FP8 is measured against the FP8 ceiling; fp8_bwd's forward is bf16.
         fp8_forward = row["precision"] == "fp8"
@@ -650,6 +672,9 @@ def describe_run(args, run: RunContext, argv: list[str], peak_tflops,
             "gemm_peak_sustained": f"median bf16 torch.matmul {GEMM_PEAK_SIZE}^3 over the second "
                                    "half of sustained_peak_seconds of back-to-back calls (at the "
                                    "power cap; slowest rank under EP)",
+            "sm_mhz": "mean SM clock (MHz) nvidia-smi reported every 50 ms during the row's timed "
+                      "iterations, with power_w the mean board power (W); rank 0's GPU under EP; "
+                      "null without nvidia-smi or for a row shorter than a sample",
             "ep": "each rank times its own events; the max over ranks of each median is reported",
         },
     }
@@ -707,6 +732,7 @@ TABLE_COLUMNS = (
     ("full x torch", "speedup_full_vs_torch", "{:.2f}"),
     ("fwd x bf16", "speedup_fwd_vs_bf16", "{:.2f}"),
     ("bwd x bf16", "speedup_bwd_vs_bf16", "{:.2f}"),
+    ("SM MHz", "sm_mhz", "{:.0f}"),
     ("status", "status", str),
 )
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megamoe
-from megamoe import bench
+from megamoe import _clocks, bench
 from megamoe.presets import PRESETS, get_preset
 
 TOP_LEVEL_KEYS = {
@@ -24,6 +24,7 @@ ROW_KEYS = {
     "model", "H", "I", "E", "k", "tokens_per_rank", "ep", "backend", "precision", "dtype",
     "routing", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "full_layer_ms", "fwd_tflops", "pct_of_peak",
     "pct_of_sustained_peak", "speedup_fwd_vs_torch", "speedup_full_vs_torch", "backward_mode", "status",
+    "sm_mhz", "power_w",
 }
 QUICK = ["--iters", "3", "--warmup", "1", "--input-sets", "2", "--tokens", "64"]
 
@@ -76,6 +77,8 @@ def test_cpu_run_writes_a_complete_record(tmp_path, capsys):
     flops = 6 * 64 * 2 * 64 * 32
     assert row["fwd_tflops"] == pytest.approx(flops / (row["fwd_ms"] * 1e-3) / 1e12)
     assert row["pct_of_peak"] is None and row["speedup_fwd_vs_torch"] is None
+    assert row["sm_mhz"] is None and row["power_w"] is None  # no GPU clock to sample
+    assert "SM MHz" in out
 
 
 def test_gpu_backends_are_skipped_on_cpu_and_speedups_need_torch(tmp_path):
@@ -186,6 +189,48 @@ def test_python_dash_m_entry_point(tmp_path):
     record = json.loads((tmp_path / "cli.json").read_text())
     assert record["command"].startswith("python -m megamoe.bench --cpu")
     assert "[megamoe-bench] tiny T=64/rank ep=1 reference: fwd" in done.stderr
+
+
+def test_clock_samples_are_read_and_averaged_over_a_window(tmp_path):
+    path = tmp_path / "clocks.csv"
+    path.write_text(
+        "2026/12/06 11:00:00.000, 1500, 690.5, 60, Active, Not Active\n"
+        "2026/12/06 11:00:00.500, 1600, 700.5, 61, Not Active, Not Active\n"
+        "[N/A], [N/A], [N/A], 61, Active, Not Active\n"  # a line nvidia-smi could not fill
+        "2026/12/06 11:00:01.000, 1700, 699.0\n"  # cut short when nvidia-smi was stopped
+        "2026/12/06 11:00:02.000, 1000, 100.0, 40, Not Active, Not Active\n")
+    samples = _clocks.read_samples(str(path))
+    assert [s[1] for s in samples] == [1500, 1600, 1000]
+    assert samples[1][0] - samples[0][0] == pytest.approx(0.5)
+    start = samples[0][0]
+    mhz, watts, capped = _clocks.window_means(samples, start, start + 0.6)
+    assert (mhz, watts, capped) == (pytest.approx(1550), pytest.approx(695.5), 0.5)
+    assert _clocks.window_means(samples, start + 0.7, start + 0.9) is None
+
+
+def test_clock_sampler_without_nvidia_smi_samples_nothing(monkeypatch):
+    monkeypatch.setattr(_clocks.shutil, "which", lambda name: None)
+    sampler = _clocks.ClockSampler("0")
+    assert not sampler.available and os.path.exists(sampler.path)
+    assert sampler.close() == [] and not os.path.exists(sampler.path)
+    assert sampler.close() == []  # a second close is harmless
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_clock_sampler_samples_this_gpu(tmp_path):
+    import shutil
+    import time
+
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("needs nvidia-smi")
+    sampler = _clocks.ClockSampler(_clocks.gpu_selector(torch.device("cuda")), 20,
+                                   str(tmp_path / "clocks.csv"))
+    began = time.time()
+    time.sleep(0.5)
+    samples = sampler.close()
+    assert samples, (tmp_path / "clocks.csv").read_text()[:500]
+    mhz, watts, _ = _clocks.window_means(samples, began - 1, time.time() + 1)
+    assert mhz > 0 and watts > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
