@@ -4,8 +4,9 @@
     torchrun --nproc-per-node 8 -m megamoe.bench --ep 8
 
 For every model preset x tokens-per-rank x backend it times the forward (with autograd
-recording, as in training) and the backward separately with CUDA events, takes medians
-over several rotated input sets, and reports fwd, bwd, fwd+bwd (sum of the two medians),
+recording, as in training) and the backward separately with CUDA events, after a warm-up
+and --settle-seconds of untimed calls (so that the timed calls run at the clock the power
+cap holds through a long run), takes medians over several rotated input sets, and reports fwd, bwd, fwd+bwd (sum of the two medians),
 the full layer under activation checkpointing (2*fwd + bwd), forward TFLOP/s against the
 bf16 GEMM peak measured in the same run, and the speedup over the torch baseline.
 Rank 0 prints a table and writes <out-dir>/<name>.json (+ a PNG plot).
@@ -63,6 +64,8 @@ CPU_DEFAULTS = {"backends": "reference", "models": ["tiny"], "tokens": [256]}
 
 GEMM_PEAK_SIZE = 8192
 SUSTAINED_PEAK_SECONDS = 2.0
+GPU_SETTLE_SECONDS = 2.0
+SETTLE_CHUNK = 4  # calls between the settling loop's clock checks
 CPU_RUN_NOTICE = (
     "NOTE: no CUDA GPU in use: this is a CPU run of the C++ reference backend ({models}),\n"
     "a smoke test of the benchmark pipeline, NOT a GPU benchmark."
@@ -119,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sustained-peak-seconds", type=float, default=SUSTAINED_PEAK_SECONDS,
                         help="seconds of back-to-back matmuls for the sustained (power-capped) "
                              f"GEMM peak; 0 skips it (default {SUSTAINED_PEAK_SECONDS:g})")
+    parser.add_argument("--settle-seconds", type=float, default=None,
+                        help="seconds of untimed calls before each row's timed iterations, so that "
+                             "the row is timed at the clock the power cap holds through a long run "
+                             f"rather than in the first second's swing (default {GPU_SETTLE_SECONDS:g} "
+                             "on a GPU, 0 on the CPU)")
     parser.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     parser.add_argument("--input-sets", type=int, default=3,
@@ -145,6 +153,8 @@ def resolve_defaults(args: argparse.Namespace, is_cuda: bool) -> None:
     args.tokens = list(dict.fromkeys(_split_commas(args.tokens) if args.tokens
                                      else [str(t) for t in defaults["tokens"]]))
     args.precisions = list(dict.fromkeys(_split_commas([args.precision])))
+    if args.settle_seconds is None:
+        args.settle_seconds = GPU_SETTLE_SECONDS if is_cuda else 0.0
 
 
 def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -173,7 +183,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error("--tokens must be >= 1")
     for option, value, minimum in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                    ("--input-sets", args.input_sets, 1), ("--ep", args.ep, 1),
-                                   ("--sustained-peak-seconds", args.sustained_peak_seconds, 0)):
+                                   ("--sustained-peak-seconds", args.sustained_peak_seconds, 0),
+                                   ("--settle-seconds", args.settle_seconds, 0)):
         if value < minimum:
             parser.error(f"{option} must be >= {minimum}, got {value}")
     if args.num_comm_sms is not None and args.num_comm_sms < 1:
@@ -405,6 +416,9 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
     timer = time_forward if forward_only else time_forward_backward
     try:
         timer(call, weights, input_sets, args.warmup, clock)
+        if args.settle_seconds > 0:
+            settle(lambda: timer(call, weights, input_sets, SETTLE_CHUNK, clock),
+                   args.settle_seconds, run)
         if run.group is not None:
             torch.distributed.barrier()
         began = time.time()
@@ -420,6 +434,20 @@ def benchmark_backend(backend: str, weights, input_sets, args, run: RunContext, 
     if run.group is not None:
         medians = _max_over_ranks(medians, run)
     return medians[0], (None if forward_only else medians[1])
+
+
+def settle(run_chunk, seconds: float, run: RunContext) -> None:
+    """Runs untimed chunks of calls back to back for `seconds` of wall time. Under EP the
+    ranks agree after each chunk on whether to go on (the slowest rank's clock), so that
+    every rank runs the same calls and no collective is left waiting."""
+    began = time.perf_counter()
+    while True:
+        run_chunk()  # ends with the clock's wait: the chunk's GPU work is done
+        elapsed = [time.perf_counter() - began]
+        if run.group is not None:
+            elapsed = _max_over_ranks(elapsed, run)
+        if elapsed[0] >= seconds:
+            return
 
 
 def _max_over_ranks(values: list[float], run: RunContext) -> list[float]:
@@ -652,6 +680,7 @@ def describe_run(args, run: RunContext, argv: list[str], peak_tflops,
             "num_comm_sms": args.num_comm_sms,
             "fused_backward_modes": args.fused_backward_modes,
             "iters": args.iters, "warmup": args.warmup, "input_sets": args.input_sets,
+            "settle_seconds": args.settle_seconds,
             "sustained_peak_seconds": args.sustained_peak_seconds,
             "seed": args.seed, "check_ids": False,
         },
@@ -659,6 +688,9 @@ def describe_run(args, run: RunContext, argv: list[str], peak_tflops,
             "timer": CudaClock.name if run.is_cuda else CpuClock.name,
             "fwd_ms": "median over iters of the forward call with autograd recording",
             "bwd_ms": "median over iters of y.backward(dy), dy random",
+            "settle": "each row runs settle_seconds of untimed calls after its warm-up, so that "
+                      "its timed iterations run at the clock the power cap holds through a long "
+                      "run (records without settle_seconds were timed right after the warm-up)",
             "fwd_bwd_ms": "fwd_ms + bwd_ms (sum of the medians; not timed jointly)",
             "full_layer_ms": "2 * fwd_ms + bwd_ms (activation checkpointing re-runs the forward)",
             "fwd_tflops": "6*T*k*H*I / fwd_ms, T = tokens per rank",

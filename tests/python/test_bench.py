@@ -78,7 +78,24 @@ def test_cpu_run_writes_a_complete_record(tmp_path, capsys):
     assert row["fwd_tflops"] == pytest.approx(flops / (row["fwd_ms"] * 1e-3) / 1e12)
     assert row["pct_of_peak"] is None and row["speedup_fwd_vs_torch"] is None
     assert row["sm_mhz"] is None and row["power_w"] is None  # no GPU clock to sample
+    assert record["settings"]["settle_seconds"] == 0  # the CPU default: nothing to settle
     assert "SM MHz" in out
+
+
+def test_rows_settle_before_they_are_timed(tmp_path, monkeypatch):
+    calls = []
+    timer = bench.time_forward_backward
+
+    def counting_timer(call, weights, input_sets, iterations, clock):
+        calls.append(iterations)
+        return timer(call, weights, input_sets, iterations, clock)
+
+    monkeypatch.setattr(bench, "time_forward_backward", counting_timer)
+    _, record = run_bench(tmp_path, "--no-plot", "--settle-seconds", "0.05")
+    assert record["settings"]["settle_seconds"] == 0.05
+    # The warm-up, then chunks of untimed calls until 0.05 s have passed, then the timed ones.
+    assert calls[0] == 1 and calls[-1] == 3
+    assert len(calls) >= 3 and set(calls[1:-1]) == {bench.SETTLE_CHUNK}
 
 
 def test_gpu_backends_are_skipped_on_cpu_and_speedups_need_torch(tmp_path):
@@ -158,6 +175,7 @@ def test_speedups_over_bf16_compare_the_same_backend_and_mode():
     (["--iters", "0"], "--iters must be >= 1"),
     (["--num-comm-sms", "0"], "--num-comm-sms must be >= 1, got 0"),
     (["--sustained-peak-seconds", "-1"], "--sustained-peak-seconds must be >= 0, got -1.0"),
+    (["--settle-seconds", "-0.5"], "--settle-seconds must be >= 0, got -0.5"),
     (["--ep", "3"], "--ep 3: model tiny has E=8 experts, not divisible by 3"),
     (["--ep", "2"], "--ep 2 needs 2 CUDA GPUs under torchrun, but --cpu was given"),
     (["--routing", "zipf"], "invalid choice: 'zipf'"),
@@ -237,7 +255,8 @@ def test_clock_sampler_samples_this_gpu(tmp_path):
 def test_short_gpu_run(tmp_path, capsys):
     assert bench.main(["--out-dir", str(tmp_path), "--model", "tiny", "--tokens", "256",
                        "--backends", "torch,fused,reference", "--iters", "3", "--warmup", "1",
-                       "--no-plot", "--name", "gpu", "--sustained-peak-seconds", "0.5"]) == 0
+                       "--no-plot", "--name", "gpu", "--sustained-peak-seconds", "0.5",
+                       "--settle-seconds", "0.2"]) == 0
     record = json.loads((tmp_path / "gpu.json").read_text())
     assert record["gpu"] == torch.cuda.get_device_name() and record["num_gpus"] == 1
     assert record["gemm_peak_tflops"] > 10
