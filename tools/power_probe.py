@@ -30,10 +30,13 @@ from megamoe.presets import get_preset
 
 from layer_inputs import layer_inputs
 
-def clock_means(samples, start: float, end: float) -> tuple[float, float, float]:
-    """Mean SM MHz, watts and power-capped share over a window; nan where no sample fell."""
-    means = window_means(samples, start, end)
-    return means if means is not None else (float("nan"),) * 3
+def clock_columns(sampler, windows) -> list[tuple[float, float, float]]:
+    """Stops the sampler; the mean SM MHz, watts and power-capped share over each (start,
+    end) window, nan where no sample fell."""
+    time.sleep(0.3)  # the last samples
+    samples = sampler.close()
+    nan = (float("nan"),) * 3
+    return [window_means(samples, start, end) or nan for start, end in windows]
 
 
 def run_for(fn, seconds: float) -> tuple[list[float], float, float]:
@@ -93,23 +96,30 @@ def training_workloads(tokens: int):
     return workloads
 
 
+def after_pause(name: str, warm_call, timed_run, pause: float):
+    """Warms a workload up (3 calls), idles `pause` s so that the clock goes back to boost,
+    then returns what timed_run() returns (per-call times first)."""
+    for _ in range(3):
+        warm_call()
+    torch.cuda.synchronize()
+    time.sleep(pause)
+    result = timed_run()
+    print(f"[power_probe] {name}: {len(result[0])} calls", file=sys.stderr, flush=True)
+    return result
+
+
 def probe_training(args, sampler) -> int:
     results = []
     for name, forward, backward in training_workloads(args.tokens):
-        for _ in range(3):
-            backward(forward())
-        torch.cuda.synchronize()
-        time.sleep(args.pause)
-        fwd, bwd, half_start, end = run_training_for(forward, backward, args.seconds)
+        fwd, bwd, half_start, end = after_pause(
+            name, lambda: backward(forward()),
+            lambda: run_training_for(forward, backward, args.seconds), args.pause)
         results.append((name, fwd, bwd, half_start, end))
-        print(f"[power_probe] {name}: {len(fwd)} calls", file=sys.stderr, flush=True)
-    time.sleep(0.3)
-    samples = sampler.close()
+    clocks = clock_columns(sampler, [r[3:] for r in results])
     print(f"{'workload':36s} {'first fwd':>9s} {'sust. fwd':>9s} {'first bwd':>9s} "
           f"{'sust. bwd':>9s} {'SM MHz':>7s} {'W':>5s} {'pwr cap':>8s}   (ms)")
-    for name, fwd, bwd, half_start, end in results:
+    for (name, fwd, bwd, _, _), (mhz, watts, capped) in zip(results, clocks):
         half = len(fwd) // 2
-        mhz, watts, capped = clock_means(samples, half_start, end)
         print(f"{name:36s} {statistics.median(fwd[:5]):9.3f} {statistics.median(fwd[half:]):9.3f} "
               f"{statistics.median(bwd[:5]):9.3f} {statistics.median(bwd[half:]):9.3f} "
               f"{mhz:7.0f} {watts:5.0f} {capped:8.0%}")
@@ -149,22 +159,16 @@ def main() -> int:
 
     results = []
     for name, flops, fn in workloads:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        time.sleep(args.pause)
-        times, half_start, end = run_for(fn, args.seconds)
+        times, half_start, end = after_pause(name, fn, lambda: run_for(fn, args.seconds),
+                                             args.pause)
         results.append((name, flops, times, half_start, end))
-        print(f"[power_probe] {name}: {len(times)} calls", file=sys.stderr, flush=True)
-    time.sleep(0.3)
-    samples = sampler.close()
+    clocks = clock_columns(sampler, [r[3:] for r in results])
 
     print(f"{'workload':34s} {'first 5 ms':>10s} {'sustained ms':>12s} {'first TFLOP/s':>13s} "
           f"{'sust. TFLOP/s':>13s} {'SM MHz':>7s} {'W':>5s} {'pwr cap':>8s}")
-    for name, flops, times, half_start, end in results:
+    for (name, flops, times, _, _), (mhz, watts, capped) in zip(results, clocks):
         first = statistics.median(times[:5])
         sustained = statistics.median(times[len(times) // 2:])
-        mhz, watts, capped = clock_means(samples, half_start, end)
         print(f"{name:34s} {first:10.3f} {sustained:12.3f} {flops / first / 1e9:13.1f} "
               f"{flops / sustained / 1e9:13.1f} {mhz:7.0f} {watts:5.0f} {capped:8.0%}")
     return 0
