@@ -98,6 +98,21 @@ def test_rows_settle_before_they_are_timed(tmp_path, monkeypatch):
     assert len(calls) >= 3 and set(calls[1:-1]) == {bench.SETTLE_CHUNK}
 
 
+def test_settling_under_ep_follows_the_slowest_rank(monkeypatch):
+    # Every rank must run the same chunks (the layer's collectives pair them up): the
+    # decision to stop is taken on the largest elapsed time over the ranks.
+    chunks, agreed = [], []
+
+    def max_over_ranks(values, run):
+        agreed.append(values[0])
+        return [values[0] + (10.0 if len(agreed) == 2 else 0.0)]  # the 2nd: a slow peer
+
+    monkeypatch.setattr(bench, "_max_over_ranks", max_over_ranks)
+    run = bench.RunContext(device=torch.device("cpu"), is_cuda=False, world_size=2, group=object())
+    bench.settle(lambda: chunks.append(1), 5.0, run)
+    assert len(chunks) == 2 and len(agreed) == 2
+
+
 def test_gpu_backends_are_skipped_on_cpu_and_speedups_need_torch(tmp_path):
     _, record = run_bench(tmp_path, "--no-plot", "--backends", "torch,fused,reference",
                           "--model", "tiny", "--name", "mixed")
