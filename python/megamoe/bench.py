@@ -6,9 +6,10 @@
 For every model preset x tokens-per-rank x backend it times the forward (with autograd
 recording, as in training) and the backward separately with CUDA events, after a warm-up
 and --settle-seconds of untimed calls (so that the timed calls run at the clock the power
-cap holds through a long run), takes medians over several rotated input sets, and reports fwd, bwd, fwd+bwd (sum of the two medians),
-the full layer under activation checkpointing (2*fwd + bwd), forward TFLOP/s against the
-bf16 GEMM peak measured in the same run, and the speedup over the torch baseline.
+cap holds through a long run), takes medians over several rotated input sets, and reports
+fwd, bwd, fwd+bwd (sum of the two medians), the full layer under activation checkpointing
+(2*fwd + bwd), forward TFLOP/s against the bf16 GEMM peak measured in the same run, and the
+speedup over the torch baseline.
 Rank 0 prints a table and writes <out-dir>/<name>.json (+ a PNG plot).
 
 Two GEMM peaks are measured: the short one (10 matmuls, ~15 ms, run at boost clock) that
@@ -548,7 +549,6 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
             except NotImplementedError as error:  # megamoe.NotBuiltError included
                 # A backend whose backward is not built yet still has a forward to time.
                 try:
-                    window.clear()
                     fwd_ms = benchmark_backend(backend, weights, input_sets, args, run, clock,
                                                forward_only=True, backward_mode=fused_mode,
                                                precision=precision, window=window)[0]
@@ -561,7 +561,7 @@ def benchmark_config(shape: MoEShape, num_tokens: int, args, run: RunContext, cl
             except megamoe.MegaMoEError as error:
                 # A shape or dtype this backend does not take (e.g. fused at the tiny preset).
                 row["status"] = f"skipped: {error}"
-            if windows is not None and window and row["fwd_ms"] is not None:
+            if windows is not None and window:  # a timed run completed
                 windows.append((row, *window[-1]))
         progress(run, f"{label}: " + (
             row["status"] if row["fwd_ms"] is None else
